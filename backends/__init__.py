@@ -1,0 +1,1 @@
+"""GDN backends. Each subpackage registers one backend with gdnkit.dispatch; none imports another."""

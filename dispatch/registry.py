@@ -1,0 +1,89 @@
+"""The backend contract and the registry of backends.
+
+A backend is an object with a name, a priority and three kinds of method:
+  - `unavailable_reasons(machine)`: why it cannot run on this machine at all (package missing, no GPU);
+  - `supports(problem, machine)`: why it cannot take this problem (plain-language reasons, empty = yes);
+  - entry points that take a validated Problem and plain tensors and return plain tensors.
+Backends never import each other; the shared math they all use lives in `gdnkit.prep`.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any
+
+import torch
+
+from gdnkit.problem import GDNGrads, GDNInputs, Problem
+
+from .machine import Machine
+
+
+class Backend(abc.ABC):
+    name: str
+    priority: int  # higher wins in auto selection
+    description: str
+
+    def unavailable_reasons(self, machine: Machine) -> list[str]:
+        """Reasons this backend cannot run on `machine` whatever the problem; empty when it can."""
+        return []
+
+    @abc.abstractmethod
+    def supports(self, problem: Problem, machine: Machine) -> list[str]:
+        """Reasons this backend cannot take `problem`; empty when it can."""
+
+    def reasons(self, problem: Problem, machine: Machine) -> list[str]:
+        return self.unavailable_reasons(machine) or self.supports(problem, machine)
+
+    # Entry points. `saved` is whatever the backend's forward keeps for its backward (tensors or
+    # an object holding them); gdnkit's autograd glue stores it and hands it back unchanged.
+    @abc.abstractmethod
+    def chunk_forward(self, problem: Problem, inputs: GDNInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Chunked prefill: returns (o [B,T,HV,V] in v's dtype, final state or None, saved)."""
+
+    @abc.abstractmethod
+    def chunk_backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+                       dht: torch.Tensor | None) -> GDNGrads:
+        """Gradients of the chunked forward given dO and the final state's gradient (or None)."""
+
+    @abc.abstractmethod
+    def recurrent_forward(self, problem: Problem, inputs: GDNInputs
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Token-by-token form (decode, short inputs); same returns as chunk_forward."""
+
+    @abc.abstractmethod
+    def recurrent_backward(self, problem: Problem, saved: Any, do: torch.Tensor,
+                           dht: torch.Tensor | None) -> GDNGrads:
+        """Gradients of the recurrent forward."""
+
+
+# Modules that define backends. Each is imported lazily and calls `register`; a backend whose
+# compiler is missing still registers and says so in unavailable_reasons().
+BACKEND_MODULES = (
+    "gdnkit.backends.reference",
+)
+
+_registry: dict[str, Backend] = {}
+_loaded = False
+
+
+def register(backend: Backend) -> Backend:
+    if backend.name in _registry and _registry[backend.name] is not backend:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    _registry[backend.name] = backend
+    return backend
+
+
+def backends() -> list[Backend]:
+    """Every registered backend, highest priority first."""
+    global _loaded
+    if not _loaded:
+        for module in BACKEND_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+    return sorted(_registry.values(), key=lambda b: -b.priority)
+
+
+def get(name: str) -> Backend | None:
+    return next((b for b in backends() if b.name == name), None)

@@ -1,0 +1,87 @@
+"""Choosing a backend for a problem, and saying why the others were not chosen.
+
+Order: the call's `backend=` argument, then the GDNKIT_BACKEND environment variable, then auto
+(the highest-priority backend with no reasons). A forced backend that cannot take the problem
+raises one error with its reasons; auto never fails while the reference backend can run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from gdnkit.problem import Problem
+
+from . import registry
+from .machine import Machine, machine as current_machine
+from .registry import Backend
+
+log = logging.getLogger("gdnkit")
+
+ENV_VAR = "GDNKIT_BACKEND"
+AUTO = "auto"
+
+
+class BackendNotSupportedError(ValueError):
+    """A forced backend cannot take the problem, or no backend can."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The outcome of a selection: who runs, why, and every other backend's reasons."""
+
+    problem: Problem
+    chosen: str
+    source: str  # "argument", "environment" or "auto"
+    reasons: dict[str, list[str]]  # backend name -> reasons it can't take the problem (empty = could)
+
+    def __str__(self) -> str:
+        lines = [f"problem: {self.problem.describe()}",
+                 f"chosen: {self.chosen} (by {self.source})"]
+        for name, why in self.reasons.items():
+            if name == self.chosen:
+                continue
+            lines.append(f"  {name}: " + ("could run, lower priority" if not why else "; ".join(why)))
+        return "\n".join(lines)
+
+
+def valid_names() -> list[str]:
+    return [AUTO] + [b.name for b in registry.backends()]
+
+
+def _requested(backend: str | None) -> tuple[str, str]:
+    if backend is not None and backend != AUTO:
+        return backend, "argument"
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and env != AUTO:
+        return env, "environment"
+    return AUTO, "auto"
+
+
+def select(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> tuple[Backend, Decision]:
+    machine = machine or current_machine()
+    name, source = _requested(backend)
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a backend name (str) or None, got {type(name).__name__}")
+    candidates = registry.backends()
+    by_name = {b.name: b for b in candidates}
+    if name != AUTO and name not in by_name:
+        origin = "backend=" if source == "argument" else f"{ENV_VAR}="
+        raise ValueError(f"unknown backend {origin}{name!r}; valid names: {', '.join(valid_names())}")
+
+    reasons = {b.name: b.reasons(problem, machine) for b in candidates}
+    if name != AUTO:
+        if reasons[name]:
+            origin = "backend=" if source == "argument" else f"{ENV_VAR}="
+            raise BackendNotSupportedError(
+                f"{origin}{name!r} cannot run {problem.describe()}:\n  - " + "\n  - ".join(reasons[name]))
+        chosen = by_name[name]
+    else:
+        chosen = next((b for b in candidates if not reasons[b.name]), None)
+        if chosen is None:
+            detail = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in reasons.items())
+            raise BackendNotSupportedError(f"no backend can run {problem.describe()}:\n{detail}")
+    decision = Decision(problem=problem, chosen=chosen.name, source=source, reasons=reasons)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("gdnkit dispatch: %s", str(decision).replace("\n", " | "))
+    return chosen, decision

@@ -1,0 +1,232 @@
+"""The problem spec: one validated description of a GDN call that every backend reads.
+
+`validate_inputs` is the one place that decides what a call means (FLA 0.6.0 semantics) and
+rejects bad input with a ValueError/TypeError naming the argument, before any kernel runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+CHUNK_MODE = "chunk"
+RECURRENT_MODE = "recurrent"
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class GDNInputs(NamedTuple):
+    """The tensors of a call as the user passed them (options not yet applied; kernels fuse them)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    initial_state: torch.Tensor | None
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+
+class GDNGrads(NamedTuple):
+    """Gradients a backend's backward returns, in the order of GDNInputs (None where not needed)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dinitial_state: torch.Tensor | None
+    dA_log: torch.Tensor | None
+    ddt_bias: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Shapes, dtypes, device and options of one call: what `supports()` decides on."""
+
+    mode: str  # CHUNK_MODE or RECURRENT_MODE
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int  # number of sequences: B, or len(cu_seqlens) - 1
+    dtype: torch.dtype  # of q/k/v
+    gate_dtype: torch.dtype  # of g and beta
+    device_type: str
+    device_index: int | None
+    scale: float
+    varlen: bool
+    has_initial_state: bool
+    state_dtype: torch.dtype | None
+    output_final_state: bool
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    has_dt_bias: bool = False
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    state_v_first: bool = False
+    needs_grad: bool = False
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """float64 inputs are computed in float64, everything else in float32."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        return (self.N, self.HV, self.V, self.K) if self.state_v_first else (self.N, self.HV, self.K, self.V)
+
+    def describe(self) -> str:
+        seq = f"varlen N={self.N} T={self.T}" if self.varlen else f"B={self.B} T={self.T}"
+        return (f"{self.mode} {seq} H={self.H} HV={self.HV} K={self.K} V={self.V} "
+                f"{str(self.dtype).removeprefix('torch.')} on {self.device_type}"
+                f"{'' if self.device_index is None else ':' + str(self.device_index)}"
+                f"{' +grad' if self.needs_grad else ''}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
+def _require_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _require_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {_shape(t)}")
+
+
+def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], layout: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        want = "[" + ", ".join(map(str, expected)) + "]"
+        raise ValueError(f"{name} must have shape {layout} = {want}, got {_shape(t)}")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
+    # Reading the values costs a host sync on a GPU tensor; skip it while a CUDA graph is being
+    # captured (a sync would break the capture), where the caller vouches for the offsets.
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={offsets[0]}")
+    for i in range(1, len(offsets)):
+        if offsets[i] < offsets[i - 1]:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}]={offsets[i - 1]} "
+                             f"> cu_seqlens[{i}]={offsets[i]}")
+    if offsets[-1] > T:
+        raise ValueError(f"cu_seqlens ends at {offsets[-1]}, past the {T} tokens of q/k/v (T={T})")
+
+
+def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                    cu_seqlens=None) -> tuple[Problem, GDNInputs]:
+    """Check a call's arguments and describe it. Raises ValueError/TypeError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_tensor(name, t)
+    _require_rank("q", q, 4, "[B, T, H, K]")
+    _require_rank("k", k, 4, "[B, T, H, K]")
+    _require_rank("v", v, 4, "[B, T, HV, V]")
+    B, T, H, K = q.shape
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k must have the same shape as q [B, T, H, K] = {_shape(q)}, got {_shape(k)}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T} as q, got {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the number of value heads must be a multiple of the q/k heads: v has HV={HV}, "
+                         f"q/k have H={H} (HV % H = {HV % H if H else 'undefined'})")
+    if min(K, V) == 0:
+        raise ValueError(f"head dims must be positive, got K={K}, V={V}")
+
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q must be a floating tensor (float16/bfloat16/float32/float64), got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one floating dtype: q is {q.dtype}, {name} is {t.dtype}")
+
+    _require_shape("g", g, (B, T, HV), "[B, T, HV]")
+    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+
+    device = q.device
+    named = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+             ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens)]
+    for name, t in named:
+        if t is not None:
+            _require_tensor(name, t)
+            if t.device != device:
+                raise ValueError(f"all tensors must be on one device: q is on {device}, {name} is on {t.device}")
+
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens, sequences are packed along T and the batch size must be 1, "
+                             f"got B={B} (q shape {_shape(q)})")
+        _check_cu_seqlens(cu_seqlens, T)
+        N = cu_seqlens.numel() - 1
+    else:
+        N = B
+
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    state_layout = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
+    if initial_state is not None:
+        _require_rank("initial_state", initial_state, 4, state_layout)
+        if initial_state.shape[0] != N:
+            raise ValueError(f"initial_state must hold one state per sequence: N={N} "
+                             f"({'len(cu_seqlens) - 1' if cu_seqlens is not None else 'the batch size'}), "
+                             f"got {initial_state.shape[0]} (shape {_shape(initial_state)})")
+        _require_shape("initial_state", initial_state, state_shape, state_layout)
+        if initial_state.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"initial_state must be float32 (or float64 with float64 inputs), "
+                            f"got {initial_state.dtype}")
+
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log of shape [HV] "
+                             "(g = -exp(A_log) * softplus(g + dt_bias)), got A_log=None")
+        _require_shape("A_log", A_log, (HV,), "[HV]")
+        if dt_bias is not None:
+            _require_shape("dt_bias", dt_bias, (HV,), "[HV]")
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None and t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log/dt_bias are only used with use_gate_in_kernel=True; pass that flag or drop them")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True scales the in-kernel sigmoid of beta to [0, 2) and needs "
+                         "use_beta_sigmoid_in_kernel=True")
+
+    if scale is None:
+        scale = K ** -0.5
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    tensors = [q, k, v, g, beta, initial_state, A_log, dt_bias]
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    problem = Problem(
+        mode=mode, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=q.dtype, gate_dtype=g.dtype,
+        device_type=device.type, device_index=device.index, scale=float(scale),
+        varlen=cu_seqlens is not None, has_initial_state=initial_state is not None,
+        state_dtype=None if initial_state is None else initial_state.dtype,
+        output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+        use_gate_in_kernel=bool(use_gate_in_kernel), has_dt_bias=dt_bias is not None,
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+        state_v_first=bool(state_v_first), needs_grad=needs_grad)
+    inputs = GDNInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+    return problem, inputs

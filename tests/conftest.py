@@ -1,0 +1,45 @@
+"""Shared helpers: random GDN problems (never zeros) and error measures."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error ||x - ref|| / ||ref||, in float64; NaN never passes a < bound."""
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def make_inputs(B=1, T=70, H=2, HV=4, K=16, V=8, dtype=torch.float64, device="cpu", seed=0,
+                initial_state=True, N=None, raw_gates=False):
+    """Random inputs in the anchors' style: L2-normalised k, g = logsigmoid(randn), beta in (0, 1).
+
+    raw_gates=True gives pre-activation g/beta (for the in-kernel gate/sigmoid options).
+    N overrides the number of states (varlen).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q = rnd(B, T, H, K)
+    k = F.normalize(rnd(B, T, H, K), dim=-1)
+    v = rnd(B, T, HV, V)
+    if raw_gates:
+        g, beta = rnd(B, T, HV), rnd(B, T, HV)
+    else:
+        g = F.logsigmoid(rnd(B, T, HV))
+        beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    h0 = rnd(N if N is not None else B, HV, K, V) if initial_state else None
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    out = dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g), beta=cast(beta))
+    out["initial_state"] = None if h0 is None else h0.to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    return out

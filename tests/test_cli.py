@@ -1,0 +1,36 @@
+"""The command line a user runs first: info and check, as subprocesses (as a user would)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "gdnkit", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_lists_machine_and_backends():
+    out = run("info")
+    assert out.returncode == 0, out.stderr
+    assert "torch" in out.stdout and "CUDA driver:" in out.stdout
+    assert "reference" in out.stdout and "available" in out.stdout
+
+
+def test_check_prints_table_and_writes_json(tmp_path):
+    path = tmp_path / "report.json"
+    out = run("check", "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fwd err" in out.stdout and "reference" in out.stdout
+    report = json.loads(path.read_text())
+    assert report["machine"]["torch_version"]
+    rows = report["rows"]
+    assert {r["backend"] for r in rows} >= {"reference"}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["fwd_err"] < 1e-3 and r["grad_err"] < 1e-3
+
+
+def test_unknown_subcommand_fails_with_usage():
+    out = run("nope")
+    assert out.returncode != 0 and "usage" in out.stderr

@@ -1,0 +1,167 @@
+"""Dispatch: overrides, errors, explain(), logging, and which backend each GPU generation gets."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import gdnkit
+from gdnkit import dispatch
+from gdnkit.dispatch import registry
+from gdnkit.problem import CHUNK_MODE, Problem
+
+from conftest import make_inputs
+
+GENERATIONS = {  # name -> (compute capability, a GPU of that generation)
+    "ampere_sm80": ((8, 0), "NVIDIA A100-SXM4-80GB"),
+    "ampere_sm86": ((8, 6), "NVIDIA GeForce RTX 3090"),
+    "ada_sm89": ((8, 9), "NVIDIA L40S"),
+    "hopper_sm90": ((9, 0), "NVIDIA H200"),
+    "blackwell_sm100": ((10, 0), "NVIDIA B200"),
+    "blackwell_sm120": ((12, 0), "NVIDIA GeForce RTX 5090"),
+}
+PACKAGE_SETS = {
+    "none": {"triton": None, "tilelang": None},
+    "triton": {"triton": "3.6.0", "tilelang": None},
+    "triton+tilelang": {"triton": "3.6.0", "tilelang": "0.1.15"},
+}
+
+# Which backend auto must pick, per (machine, installed compilers, problem). Pinned by hand: a change
+# to selection logic or a backend's supports() that strands a generation shows up here.
+# Today only the reference backend is written, so every machine gets it; each new backend updates
+# its rows.
+EXPECTED = {
+    (gen, pkgs, kind): "reference"
+    for gen in list(GENERATIONS) + ["cpu"] for pkgs in PACKAGE_SETS for kind in ("inference", "training")
+}
+
+
+def fake_machine(gen: str, pkgs: str) -> dispatch.Machine:
+    gpus = ()
+    if gen != "cpu":
+        cc, name = GENERATIONS[gen]
+        gpus = (dispatch.GPU(index=0, name=name, capability=cc, sm_count=132, total_memory_bytes=80 << 30),)
+    packages = PACKAGE_SETS[pkgs]
+    return dispatch.Machine(gpus=gpus, torch_cuda_version="12.8" if gpus else None,
+                            cuda_driver_version="12.8" if gpus else None, packages=dict(packages),
+                            import_errors={n: "ModuleNotFoundError" for n, v in packages.items() if v is None})
+
+
+def problem(device_type="cuda", dtype=torch.bfloat16, needs_grad=False, K=128, **over) -> Problem:
+    fields = dict(mode=CHUNK_MODE, B=1, T=4096, H=4, HV=16, K=K, V=K, N=1, dtype=dtype, gate_dtype=torch.float32,
+                  device_type=device_type, device_index=0 if device_type == "cuda" else None, scale=K ** -0.5,
+                  varlen=False, has_initial_state=False, state_dtype=None, output_final_state=False,
+                  needs_grad=needs_grad)
+    fields.update(over)
+    return Problem(**fields)
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED), ids=lambda k: "-".join(k))
+def test_auto_choice_per_gpu_generation(key):
+    gen, pkgs, kind = key
+    with dispatch.use_machine(fake_machine(gen, pkgs)):
+        p = problem(device_type="cpu" if gen == "cpu" else "cuda", needs_grad=kind == "training")
+        chosen, decision = dispatch.select(p)
+    assert chosen.name == EXPECTED[key]
+    assert decision.source == "auto"
+
+
+@pytest.mark.parametrize("gen", list(GENERATIONS))
+def test_cpu_tensors_and_float64_go_to_reference(gen):
+    with dispatch.use_machine(fake_machine(gen, "triton+tilelang")):
+        assert dispatch.select(problem(device_type="cpu"))[0].name == "reference"
+        assert dispatch.select(problem(dtype=torch.float64))[0].name == "reference"
+
+
+class Declining(dispatch.Backend):
+    """A backend that runs nowhere: stands in for a fast backend that can't take the problem."""
+
+    name, priority, description = "declining", 1000, "test backend"
+
+    def supports(self, problem, machine):
+        return [f"declines everything (asked for {problem.dtype})"]
+
+    chunk_forward = chunk_backward = recurrent_forward = recurrent_backward = None
+
+
+@pytest.fixture
+def declining(monkeypatch):
+    backend = Declining()
+    monkeypatch.setitem(registry._registry, backend.name, backend)
+    return backend
+
+
+def test_auto_skips_a_backend_with_reasons_and_explain_lists_them(declining):
+    x = make_inputs(1, 8, 1, 1, 4, 4)
+    decision = gdnkit.explain(**x)
+    assert decision.chosen == "reference" and decision.source == "auto"
+    assert decision.reasons["declining"] == ["declines everything (asked for torch.float64)"]
+    text = str(decision)
+    assert "chosen: reference (by auto)" in text and "declining: declines everything" in text
+
+
+def test_forced_backend_that_cannot_run_lists_its_reasons(declining):
+    x = make_inputs(1, 8, 1, 1, 4, 4)
+    with pytest.raises(dispatch.BackendNotSupportedError, match=r"backend='declining' cannot run chunk B=1 T=8"
+                       r"[\s\S]*- declines everything"):
+        gdnkit.chunk_gated_delta_rule(**x, backend="declining")
+
+
+def test_env_override_and_argument_precedence(monkeypatch, declining):
+    x = make_inputs(1, 8, 1, 1, 4, 4)
+    monkeypatch.setenv(dispatch.ENV_VAR, "declining")
+    with pytest.raises(dispatch.BackendNotSupportedError, match="GDNKIT_BACKEND='declining' cannot run"):
+        gdnkit.chunk_gated_delta_rule(**x)
+    assert gdnkit.explain(**x, backend="reference").source == "argument"  # the argument wins
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert gdnkit.explain(**x).source == "environment"
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    assert gdnkit.explain(**x).source == "auto"
+
+
+def test_unknown_name_lists_valid_names(monkeypatch):
+    x = make_inputs(1, 8, 1, 1, 4, 4)
+    with pytest.raises(ValueError, match=r"unknown backend backend='nope'; valid names: auto, .*reference"):
+        gdnkit.chunk_gated_delta_rule(**x, backend="nope")
+    monkeypatch.setenv(dispatch.ENV_VAR, "typo")
+    with pytest.raises(ValueError, match=r"unknown backend GDNKIT_BACKEND='typo'"):
+        gdnkit.fused_recurrent_gated_delta_rule(**x)
+
+
+def test_no_backend_at_all_is_one_error_listing_everyone(monkeypatch, declining):
+    ref = registry.get("reference")
+    monkeypatch.setattr(ref, "supports", lambda p, m: ["switched off for this test"])
+    with pytest.raises(dispatch.BackendNotSupportedError, match=r"no backend can run[\s\S]*declining: declines"
+                       r"[\s\S]*reference: switched off"):
+        dispatch.select(problem(device_type="cpu"))
+
+
+def test_each_decision_is_logged_at_debug(caplog):
+    x = make_inputs(1, 8, 1, 1, 4, 4)
+    with caplog.at_level(logging.DEBUG, logger="gdnkit"):
+        gdnkit.chunk_gated_delta_rule(**x)
+    assert any("chosen: reference (by auto)" in r.getMessage() for r in caplog.records)
+
+
+def test_injected_machine_is_restored_and_probe_is_cached():
+    real = dispatch.machine()
+    with dispatch.use_machine(fake_machine("hopper_sm90", "none")) as fake:
+        assert dispatch.machine() is fake
+    assert dispatch.machine() is real is dispatch.machine()
+
+
+def test_probe_on_this_machine_reports_what_it_found():
+    m = dispatch.probe_machine()
+    assert m.torch_version == torch.__version__
+    assert set(m.packages) == {"triton", "tilelang"}
+    for name, version in m.packages.items():
+        assert (version is None) == (name in m.import_errors)
+    if not torch.cuda.is_available():
+        assert m.gpus == () and m.cuda_driver_version is None and m.cuda_driver_error
+    assert dataclasses.asdict(m) == m.to_dict()
+
+
+def test_available_backends_includes_reference():
+    assert "reference" in gdnkit.available_backends()
