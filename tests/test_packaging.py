@@ -1,6 +1,7 @@
 """The wheel installs dispatch/ and backends/ inside the gdnkit namespace, nothing generic at top level."""
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -23,6 +24,21 @@ def test_wheel_contents(tmp_path):
     for module in ("gdnkit/api.py", "gdnkit/dispatch/select.py", "gdnkit/backends/reference/chunked.py",
                    "gdnkit/benchmarks/__init__.py"):
         assert module in names, module
+
+    # A regular (non-editable) install of that wheel computes, from outside the checkout.
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                          str(wheel)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    code = ("import torch, gdnkit\n"
+            "assert gdnkit.__file__.startswith(%r), gdnkit.__file__\n"
+            "x = [torch.randn(1, 5, 1, 4) for _ in range(3)]\n"
+            "o, s = gdnkit.chunk_gated_delta_rule(*x, -torch.rand(1, 5, 1), torch.rand(1, 5, 1),"
+            " output_final_state=True)\n"
+            "assert o.shape == (1, 5, 1, 4) and s.shape == (1, 1, 4, 4)\n") % str(site)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
 
 
 def test_installed_layout_is_namespaced(tmp_path):
