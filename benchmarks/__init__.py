@@ -1,1 +1,5 @@
-"""The benchmark harness: gdnkit backends beside FLA and FlashQLA (python -m gdnkit bench)."""
+"""gdnkit.benchmarks: the grids, the runner and the results of `python -m gdnkit bench`.
+
+Nothing here is imported by gdnkit's own code; the anchors (fla, flash_qla) are imported lazily by
+impls.py only. See README.md beside this file.
+"""

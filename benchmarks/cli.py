@@ -1,0 +1,171 @@
+"""`python -m gdnkit bench ...` (also `python -m gdnkit.benchmarks ...`).
+
+Passes can run in separate invocations (compiles make a cold quick grid too long for one 10-minute
+GPU run): each run merges its rows into the results folder's latest.json, replacing rows with the
+same key and keeping the others.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from . import grids, report, timing
+from .grids import PASSES
+from .impls import gpu_name, gpu_slug, resolve
+from .warm import warm
+from .runner import RunConfig, merge_rows, run_grid
+
+PROG = "python -m gdnkit bench"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _parse_heads(text: str | None):
+    if not text:
+        return None
+    heads = []
+    for tok in text.split(","):
+        H, _, HV = tok.strip().lower().partition("x")
+        heads.append((int(H), int(HV)))
+    return heads
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Benchmark gdnkit's backends against FLA and FlashQLA.")
+    p.add_argument("--grid", choices=grids.GRIDS, default=None,
+                   help="quick (one GPU run per pass group), full (FlashQLA's published grid), tiny (CPU). "
+                        "Default: quick on a GPU, tiny on a CPU")
+    p.add_argument("--passes", default="fwd,bwd,decode", help="comma list of fwd, bwd, decode")
+    p.add_argument("--heads", default=None, help="only these head configs, as HxHV comma list, e.g. 4x8,16x32")
+    p.add_argument("--impls", default="all",
+                   help="all | comma list of gdnkit, gdnkit:<backend>, fla, flashqla (default all; on a GPU "
+                        "'gdnkit' leaves out the slow PyTorch reference)")
+    p.add_argument("--anchors", choices=("live", "cached"), default="live",
+                   help="cached: reuse FLA/FlashQLA rows of an earlier latest.json from the same GPU model and "
+                        "versions (rows say anchor_same_run=false); points without one are measured")
+    p.add_argument("--anchors-from", default=None, help="latest.json to take cached anchor rows from "
+                                                        "(default: the one in --out)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<gpu>/; "
+                                               "benchmarks/results/cpu/ on a CPU, not committed)")
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    p.add_argument("--reps", type=int, default=timing.MIN_REPS, help=f"timed repetitions (>= {timing.MIN_REPS})")
+    p.add_argument("--timing", choices=("auto", "graph", "profiler"), default="auto",
+                   help="kernel timing: CUDA graph with profiler fallback (auto), or force one")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting new measurements after this many seconds (the rest is recorded as "
+                        "skipped), so a run inside a time limit still writes its results")
+    p.add_argument("--warm-jobs", type=int, default=0,
+                   help="compile every implementation's kernels for the grid first, in this many parallel "
+                        "processes (16 on the H200: FlashQLA's compiles otherwise overrun a 10-minute run)")
+    p.add_argument("--report-only", action="store_true", help="rewrite results.md/speedup.png from latest.json")
+    p.add_argument("--json", action="store_true", help="print this run's rows as JSON on stdout at the end")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    return p
+
+
+def default_out_dir(device: torch.device) -> Path:
+    return RESULTS_DIR / gpu_slug(gpu_name(device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out_dir = Path(args.out) if args.out else default_out_dir(device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    latest_path, details_path = out_dir / "latest.json", out_dir / "details.json"
+    old_rows = report.load_json(latest_path, [])
+    old_details = report.load_json(details_path, report.empty_details())
+
+    if args.report_only:
+        report.write_report(out_dir, old_rows, old_details)
+        print(report.short_table(old_rows, old_details))
+        return 0
+
+    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    bad = [p for p in passes if p not in PASSES]
+    if bad:
+        print(f"unknown pass(es) {bad}; choose from {', '.join(PASSES)}", file=sys.stderr)
+        return 2
+    grid_name = args.grid or ("quick" if device.type == "cuda" else "tiny")
+    grid = grids.get_grid(grid_name).select(passes=passes, heads=_parse_heads(args.heads))
+    if not grid.points:
+        print("no grid points selected", file=sys.stderr)
+        return 2
+    try:
+        impls = resolve(args.impls, device)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if not impls:
+        print("no implementation to run (see --impls)", file=sys.stderr)
+        return 2
+
+    run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    log_path = out_dir / f"run-{'-'.join(passes)}.log"
+    log_file = open(log_path, "w")
+
+    def log(msg: str) -> None:
+        log_file.write(msg.rstrip("\n") + "\n")
+        log_file.flush()
+
+    command = PROG + (" " + shlex.join(argv) if argv else "")
+    run = {"id": run_id, "date": datetime.date.today().isoformat(), "gpu": gpu_name(device),
+           "command": command, "grid": grid_name, "passes": passes}
+    cached_rows = old_rows
+    if args.anchors_from:
+        cached_rows = report.load_json(Path(args.anchors_from), [])
+    log(f"{command}\nrun {run_id} on {run['gpu']} ({device}); grid {grid_name}: {len(grid.points)} points; "
+        f"impls {', '.join(i.name for i in impls)}; anchors {args.anchors}")
+
+    def persist(outcome) -> list[dict]:
+        run["unavailable"] = dict(outcome.unavailable)
+        rows = merge_rows(old_rows, outcome.rows, drop=outcome.failed_keys)
+        details = report.merge_details(old_details, outcome.rows, outcome.details, outcome.events, run, rows)
+        report.write_json(latest_path, rows)
+        report.write_json(details_path, details)
+        return rows
+
+    cfg = RunConfig(grid=grid, impls=impls, device=device, anchors=args.anchors, cached_rows=cached_rows,
+                    reps=max(args.reps, timing.MIN_REPS), timing_method=args.timing, budget_s=args.budget_s,
+                    run_id=run_id, log=log, on_point_done=persist, progress=not args.no_progress)
+    t0 = time.monotonic()
+    if args.warm_jobs and device.type == "cuda":
+        def log_both(msg: str) -> None:
+            log(msg)
+            print(msg, flush=True)
+        warm(grid, [i.name for i in impls], str(device), args.warm_jobs, log_both)
+    outcome = run_grid(cfg)
+    rows = persist(outcome)
+    details = report.load_json(details_path, report.empty_details())
+    report.write_report(out_dir, rows, details)
+    log(f"done in {time.monotonic() - t0:.1f} s: {len(outcome.rows)} rows, "
+        f"{sum(e['status'] == 'failed' for e in outcome.events)} failures")
+    log_file.close()
+
+    if args.json:
+        print(json.dumps(outcome.rows, indent=1))
+    touched = {p.key for p in grid.points}
+    n_fail = sum(e["status"] == "failed" for e in outcome.events)
+    print(f"\n{len(outcome.rows)} rows, {n_fail} failed, "
+          f"{sum(e['status'] == 'unsupported' for e in outcome.events)} unsupported"
+          f"{'; stopped early: ' + outcome.stopped_early if outcome.stopped_early else ''}; "
+          f"{time.monotonic() - t0:.0f} s; results in {out_dir}")
+    for name, why in outcome.unavailable.items():
+        print(f"  not run: {name}: {why[:200]}")
+    for e in outcome.events:
+        if e["status"] == "failed":
+            print(f"  FAILED {e['pass']} H={e['H']} HV={e['HV']} {e['seqlens']} {e['impl']}: {e['reason'][:200]}")
+    print(report.short_table(rows, details, touched))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

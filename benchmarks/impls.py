@@ -1,0 +1,247 @@
+"""Adapters: one object per implementation the harness compares, all called the same way.
+
+  gdnkit:<backend>  gdnkit's public call with backend=<backend> forced
+  fla               FLA 0.6.0's Triton path (fla.ops.gated_delta_rule), FLA_FLASH_QLA=0
+  flashqla          FlashQLA 0.1.3 (flash_qla), prefill only
+
+The anchors (fla, flash_qla) are imported here, lazily, and nowhere in gdnkit's own code. Nothing
+of theirs is copied: the adapters only call their public functions with FLA's tensor layouts.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+from .grids import Point
+from .inputs import ChunkInputs
+
+
+class Unsupported(Exception):
+    """The implementation cannot take this problem (not a failure: nothing was measured)."""
+
+
+class Impl:
+    name: str = "?"
+    is_anchor: bool = False
+    # Versions that must match for a row of an earlier run to stand in for this one (--anchors cached).
+    version_keys: tuple[str, ...] = ("torch",)
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this implementation cannot run here at all; None when it can."""
+        return None
+
+    def skip_reason(self, point: Point) -> str | None:
+        """Why this implementation has nothing to run for this kind of point; None when it does."""
+        return None
+
+    def chunk(self, inp: ChunkInputs, output_final_state: bool = False) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def decode(self, inp: ChunkInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class GdnkitImpl(Impl):
+    version_keys = ("gdnkit", "torch", "triton", "tilelang")
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.name = f"gdnkit:{backend}"
+
+    def unavailable(self, device):
+        import gdnkit
+        names = gdnkit.available_backends()
+        if self.backend not in names:
+            return f"gdnkit backend {self.backend!r} cannot run on this machine (available: {', '.join(names)})"
+        return None
+
+    def _wrap(self, fn, *args, **kwargs):
+        import gdnkit
+        try:
+            return fn(*args, backend=self.backend, **kwargs)
+        except gdnkit.BackendNotSupportedError as exc:
+            raise Unsupported(str(exc).replace("\n", " ")) from exc
+
+    def chunk(self, inp, output_final_state=False):
+        import gdnkit
+        return self._wrap(gdnkit.chunk_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                          initial_state=inp.initial_state, output_final_state=output_final_state,
+                          cu_seqlens=inp.cu_seqlens)
+
+    def decode(self, inp):
+        import gdnkit
+        return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                          initial_state=inp.initial_state, output_final_state=True,
+                          cu_seqlens=inp.cu_seqlens)
+
+
+class FlaImpl(Impl):
+    name = "fla"
+    is_anchor = True
+    version_keys = ("fla", "torch", "triton")
+
+    def _module(self):
+        # `import fla` hands chunk_gated_delta_rule to FlashQLA whenever flash_qla is importable;
+        # the anchor is FLA's own Triton path, so the switch is set before the first import.
+        os.environ["FLA_FLASH_QLA"] = "0"
+        return importlib.import_module("fla.ops.gated_delta_rule")
+
+    def unavailable(self, device):
+        if torch.device(device).type != "cuda":
+            return "fla's Triton kernels need a CUDA GPU"
+        try:
+            self._module()
+        except Exception as exc:
+            return f"fla is not importable ({type(exc).__name__}: {exc})"
+        return None
+
+    def chunk(self, inp, output_final_state=False):
+        m = self._module()
+        return m.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
+                                        output_final_state=output_final_state, cu_seqlens=inp.cu_seqlens)
+
+    def decode(self, inp):
+        m = self._module()
+        return m.fused_recurrent_gated_delta_rule(inp.q, inp.k, inp.v, g=inp.g, beta=inp.beta,
+                                                  initial_state=inp.initial_state, output_final_state=True,
+                                                  cu_seqlens=inp.cu_seqlens)
+
+
+class FlashQLAImpl(Impl):
+    name = "flashqla"
+    is_anchor = True
+    version_keys = ("flash_qla", "tilelang", "torch")
+
+    def _module(self):
+        return importlib.import_module("flash_qla")
+
+    def unavailable(self, device):
+        if torch.device(device).type != "cuda":
+            return "flash_qla's TileLang kernels need a CUDA GPU (sm90/sm100/sm120)"
+        try:
+            self._module()  # raises on an unsupported GPU generation at import
+        except Exception as exc:
+            return f"flash_qla is not importable ({type(exc).__name__}: {exc})"
+        return None
+
+    def skip_reason(self, point):
+        if point.pass_ == "decode":
+            return "flash_qla 0.1.3 has no decode (fused recurrent) entry point"
+        return None
+
+    def chunk(self, inp, output_final_state=False):
+        m = self._module()
+        return m.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
+                                        output_final_state=output_final_state, cu_seqlens=inp.cu_seqlens)
+
+    def decode(self, inp):
+        raise Unsupported("flash_qla 0.1.3 has no decode (fused recurrent) entry point")
+
+
+ANCHORS = ("fla", "flashqla")
+
+
+def gdnkit_backends() -> list[str]:
+    import gdnkit
+    return list(gdnkit.available_backends())
+
+
+def resolve(spec: str | None, device) -> list[Impl]:
+    """Implementations named by --impls: "all" (default), or a comma list of "gdnkit" (every
+    available gdnkit backend), "gdnkit:<backend>", "fla", "flashqla". Anchors come first, FLA
+    before FlashQLA, so every other output is compared with FLA's on the same inputs."""
+    device = torch.device(device)
+    tokens = [t.strip() for t in (spec or "all").split(",") if t.strip()]
+    names: list[str] = []
+
+    def add(name):
+        if name not in names:
+            names.append(name)
+
+    for tok in tokens:
+        if tok == "all":
+            add("fla")
+            add("flashqla")
+            tok = "gdnkit"
+        if tok == "gdnkit":
+            for b in gdnkit_backends():
+                # The PyTorch reference is the oracle, not a contender: on a GPU its per-token
+                # Python loop would take minutes per point. Name gdnkit:reference to time it anyway.
+                if b == "reference" and device.type == "cuda":
+                    continue
+                add(f"gdnkit:{b}")
+        elif tok.startswith("gdnkit:"):
+            add(tok)
+        elif tok in ANCHORS:
+            add(tok)
+        else:
+            raise ValueError(f"unknown implementation {tok!r}; use all, gdnkit, gdnkit:<backend>, fla, flashqla")
+    names.sort(key=lambda n: (0 if n == "fla" else 1 if n == "flashqla" else 2))
+    out: list[Impl] = []
+    for n in names:
+        if n == "fla":
+            out.append(FlaImpl())
+        elif n == "flashqla":
+            out.append(FlashQLAImpl())
+        else:
+            out.append(GdnkitImpl(n.split(":", 1)[1]))
+    return out
+
+
+_DISTS = {
+    "torch": ("torch",), "triton": ("triton",), "tilelang": ("tilelang",),
+    "fla": ("flash-linear-attention", "fla-core"), "flash_qla": ("flash_qla", "flash-qla"),
+}
+
+
+def _dist_version(names) -> str | None:
+    for n in names:
+        try:
+            return importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def environment_versions() -> dict[str, str | None]:
+    """Versions recorded with every row. Read from package metadata, so nothing is imported
+    (flash_qla raises at import on a machine without a supported GPU)."""
+    import gdnkit
+    versions: dict[str, str | None] = {"gdnkit": gdnkit.__version__}
+    for key, dists in _DISTS.items():
+        versions[key] = _dist_version(dists)
+    versions["torch"] = torch.__version__  # the running build (+cu130 / +cpu), not just the dist
+    versions["cuda"] = torch.version.cuda
+    versions["python"] = platform.python_version()
+    return versions
+
+
+def gpu_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def gpu_slug(name: str) -> str:
+    """"NVIDIA H200" -> "h200": the results folder of a GPU model."""
+    s = name.lower()
+    for prefix in ("nvidia ", "geforce "):
+        s = s.replace(prefix, "")
+    out = "".join(c if c.isalnum() else "-" for c in s).strip("-")
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out or "unknown"
+
+
+def loaded_anchor_modules() -> list[str]:
+    return [m for m in ("fla", "flash_qla") if m in sys.modules]

@@ -1,0 +1,122 @@
+"""Inputs exactly as the anchor numbers in ../shared/notes/FINDINGS.md were measured.
+
+bf16 q/k/v with K = V = 128; q and k L2-normalised before the call (not in the kernel); g =
+logsigmoid(randn) and beta = sigmoid(rand), both fp32; sequences packed along T with cu_seqlens
+(B = 1). Decode: B sequences of one new token each, a random fp32 state, output_final_state=True.
+Every tensor is random (never zeros: zeros hide unwritten outputs and can run faster than real data)
+and drawn from a generator seeded by the grid point, so every implementation sees the same inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from .grids import Point
+
+DTYPE = torch.bfloat16
+GATE_DTYPE = torch.float32
+STATE_DTYPE = torch.float32
+
+
+@dataclasses.dataclass
+class ChunkInputs:
+    q: torch.Tensor  # [1, T, H, K]
+    k: torch.Tensor
+    v: torch.Tensor  # [1, T, HV, V]
+    g: torch.Tensor  # [1, T, HV]
+    beta: torch.Tensor
+    cu_seqlens: torch.Tensor | None  # [N+1] int64
+    initial_state: torch.Tensor | None = None  # [N, HV, K, V] fp32
+    do: torch.Tensor | None = None  # dO for backward, like v
+
+    def leaves(self) -> list[torch.Tensor]:
+        """Tensors gradients are taken for (the backward pass)."""
+        return [self.q, self.k, self.v, self.g, self.beta]
+
+    def nbytes(self) -> int:
+        ts = [self.q, self.k, self.v, self.g, self.beta, self.initial_state, self.do]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def seed_for(point: Point, salt: str = "") -> int:
+    """A stable seed per grid point (same inputs for every implementation, run to run)."""
+    return zlib.crc32(repr((point.key, point.K, point.V, salt)).encode()) & 0x7FFFFFFF
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def cu_seqlens_of(seqlens, device) -> torch.Tensor:
+    offsets = [0]
+    for n in seqlens:
+        offsets.append(offsets[-1] + int(n))
+    return torch.tensor(offsets, dtype=torch.long, device=device)
+
+
+def make_chunk_inputs(H: int, HV: int, seqlens, K: int, V: int, device, seed: int, *,
+                      with_do: bool = False, initial_state: bool = False,
+                      cu_seqlens: torch.Tensor | None = None) -> ChunkInputs:
+    """One packed problem. Pass `cu_seqlens` to share one offsets tensor between input sets: the
+    anchors cache index tables per offsets tensor, and a new tensor per call would defeat graph capture."""
+    device = torch.device(device)
+    gen = _generator(device, seed)
+    T = int(sum(seqlens))
+    N = len(seqlens)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    q = F.normalize(randn(1, T, H, K), p=2, dim=-1).to(DTYPE)
+    k = F.normalize(randn(1, T, H, K), p=2, dim=-1).to(DTYPE)
+    v = randn(1, T, HV, V).to(DTYPE)
+    g = F.logsigmoid(randn(1, T, HV)).to(GATE_DTYPE)
+    beta = torch.sigmoid(torch.rand(1, T, HV, generator=gen, device=device)).to(GATE_DTYPE)
+    h0 = randn(N, HV, K, V).to(STATE_DTYPE) if initial_state else None
+    do = randn(1, T, HV, V).to(DTYPE) if with_do else None
+    if cu_seqlens is None:
+        cu_seqlens = cu_seqlens_of(seqlens, device)
+    return ChunkInputs(q, k, v, g, beta, cu_seqlens, h0, do)
+
+
+def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: int) -> ChunkInputs:
+    """B sequences, one token each, dense batch (no cu_seqlens), random fp32 state."""
+    device = torch.device(device)
+    gen = _generator(device, seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+
+    q = F.normalize(randn(B, 1, H, K), p=2, dim=-1).to(DTYPE)
+    k = F.normalize(randn(B, 1, H, K), p=2, dim=-1).to(DTYPE)
+    v = randn(B, 1, HV, V).to(DTYPE)
+    g = F.logsigmoid(randn(B, 1, HV)).to(GATE_DTYPE)
+    beta = torch.sigmoid(torch.rand(B, 1, HV, generator=gen, device=device)).to(GATE_DTYPE)
+    h0 = randn(B, HV, K, V).to(STATE_DTYPE)
+    return ChunkInputs(q, k, v, g, beta, None, h0, None)
+
+
+def make_point_inputs(point: Point, device, set_index: int = 0,
+                      cu_seqlens: torch.Tensor | None = None) -> ChunkInputs:
+    """The inputs of a grid point; `set_index` draws another independent set of the same shape."""
+    seed = seed_for(point, f"set{set_index}")
+    if point.pass_ == "decode":
+        return make_decode_inputs(point.B, point.H, point.HV, point.K, point.V, device, seed)
+    return make_chunk_inputs(point.H, point.HV, point.seqlens, point.K, point.V, device, seed,
+                             with_do=point.pass_ == "bwd", cu_seqlens=cu_seqlens)
+
+
+def state_bytes(point: Point) -> int:
+    """Bytes of the fp32 state a decode step reads (and writes back)."""
+    return (point.B or 1) * point.HV * point.K * point.V * torch.finfo(STATE_DTYPE).bits // 8
+
+
+def requires_grad_(inp: ChunkInputs) -> ChunkInputs:
+    for t in inp.leaves():
+        t.requires_grad_(True)
+    return inp

@@ -1,0 +1,292 @@
+"""What a run leaves in its results folder, and how runs merge.
+
+  latest.json   the rows (exactly the issue's schema), merged over runs: a new run's row replaces the
+                row with the same (pass, H, HV, seqlens, B, impl), every other row is kept
+  details.json  per-row extras (timing method, spread, fwd/fwd+bwd split, decode bandwidth, output
+                difference vs the first implementation), failures and skips, and the runs' commands
+  results.md    the tables: kernel time, speedups over FLA and FlashQLA, accuracy, eager, memory
+  speedup.png   speedup over FLA per grid point
+  command.txt   the command lines that produced the rows still in latest.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from .runner import key_str, row_key, sort_rows
+
+ANCHOR_FLA = "fla"
+ANCHOR_QLA = "flashqla"
+PASS_TITLES = {"fwd": "Forward (no grad)", "bwd": "Backward ((fwd+bwd) - fwd)", "decode": "Decode (one token, fp32 state)"}
+
+
+# -- files ---------------------------------------------------------------------------------------
+def load_json(path: Path, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+
+
+def write_json(path: Path, data) -> None:
+    """Write through a temporary file: a run killed mid-write must not leave half a latest.json."""
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def empty_details() -> dict:
+    return {"rows": {}, "events": [], "runs": []}
+
+
+def merge_details(old: dict, new_rows: list[dict], new_details: dict, new_events: list[dict], run: dict,
+                  rows_after: list[dict]) -> dict:
+    """Extras of the new rows replace the old; events (failures, skips) of a (point, impl) the new
+    run touched replace the old ones; runs no row or event refers to any more are dropped."""
+    out = {"rows": dict(old.get("rows", {})), "events": [], "runs": list(old.get("runs", []))}
+    out["rows"].update(new_details)
+    touched = {row_key(r) for r in new_rows} | {row_key(e) for e in new_events}
+    out["events"] = [e for e in old.get("events", []) if row_key(e) not in touched] + list(new_events)
+    live = {key_str(row_key(r)) for r in rows_after}
+    out["rows"] = {k: v for k, v in out["rows"].items() if k in live}
+    out["runs"] = [r for r in out["runs"] if r.get("id") != run.get("id")] + [run]
+    used = {v.get("run") for v in out["rows"].values()} | {e.get("run") for e in out["events"]}
+    out["runs"] = [r for r in out["runs"] if r.get("id") in used or r is run]
+    return out
+
+
+# -- tables --------------------------------------------------------------------------------------
+def _fmt_ms(x) -> str:
+    return "" if x is None else f"{x:.4f}" if x < 1 else f"{x:.3f}"
+
+
+def _geomean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def _point_key(row: dict) -> tuple:
+    return (row["pass"], row["H"], row["HV"], row["seqlens"], row["B"])
+
+
+def _impl_order(impls) -> list[str]:
+    return sorted(set(impls), key=lambda n: (0 if n == ANCHOR_FLA else 1 if n == ANCHOR_QLA else 2, n))
+
+
+def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> list[str]:
+    """Markdown lines: one row per grid point, kernel ms per implementation, then speedups."""
+    rows = [r for r in rows if r["pass"] == pass_]
+    if not rows:
+        return []
+    details = details or {}
+    impls = _impl_order(r["impl"] for r in rows)
+    by_point: dict[tuple, dict[str, dict]] = {}
+    for r in sort_rows(rows):
+        by_point.setdefault(_point_key(r), {})[r["impl"]] = r
+    others = [i for i in impls if i != ANCHOR_FLA]
+    ours = [i for i in impls if i not in (ANCHOR_FLA, ANCHOR_QLA)]
+    ratio_cols = []
+    if ANCHOR_FLA in impls:
+        ratio_cols += [(i, ANCHOR_FLA) for i in others]
+    if ANCHOR_QLA in impls:
+        ratio_cols += [(i, ANCHOR_QLA) for i in ours]
+    head = ["H", "HV", "B" if pass_ == "decode" else "seqlens"] + [f"{i} ms" for i in impls]
+    head += [f"{i} vs {'FLA' if base == ANCHOR_FLA else 'FlashQLA'}" for i, base in ratio_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios: dict[tuple, list[float]] = {c: [] for c in ratio_cols}
+    for pk, cells in by_point.items():
+        _, H, HV, label, B = pk
+        line = [str(H), str(HV), str(B) if pass_ == "decode" else label]
+        for i in impls:
+            r = cells.get(i)
+            if r is None:
+                line.append("—")
+                continue
+            txt = _fmt_ms(r["kernel_ms"])
+            if pass_ == "decode":
+                gbps = (details.get(key_str(row_key(r))) or {}).get("state_GBps")
+                if gbps:
+                    txt += f" ({gbps:.4g} GB/s)"
+            if not r.get("anchor_same_run", True) and i in (ANCHOR_FLA, ANCHOR_QLA):
+                txt += "*"
+            line.append(txt)
+        for c in ratio_cols:
+            a, b = cells.get(c[0]), cells.get(c[1])
+            if a and b and a["kernel_ms"] > 0:
+                s = b["kernel_ms"] / a["kernel_ms"]
+                ratios[c].append(s)
+                line.append(f"{s:.2f}x")
+            else:
+                line.append("—")
+        lines.append("| " + " | ".join(line) + " |")
+    if ratio_cols:
+        gm = ["geomean", "", ""] + [""] * len(impls)
+        for c in ratio_cols:
+            g = _geomean(ratios[c])
+            gm.append("" if g is None else f"**{g:.2f}x**")
+        lines.append("| " + " | ".join(gm) + " |")
+    return lines
+
+
+def markdown(rows: list[dict], details: dict) -> str:
+    rows = sort_rows(rows)
+    gpus = sorted({r["gpu"] for r in rows})
+    out = [f"# gdnkit benchmarks on {', '.join(gpus) or '(no rows)'}", ""]
+    out += ["Kernel time per call in ms: CUDA-graph replay where the call can be captured, else the "
+            "per-call sum of device time from torch.profiler; median of >= 20 after warm-up. "
+            "bf16 q/k/v, K = V = 128, L2-normalised q/k, fp32 g = logsigmoid(randn), beta = "
+            "sigmoid(rand), packed with cu_seqlens. \"X vs FLA\" is FLA's time over X's (above 1: X "
+            "is faster). `*`: anchor figure reused from an earlier run (anchor_same_run = false). "
+            "Backward is (forward+backward) - forward, both with autograd on. Decode bandwidth counts "
+            "the fp32 state read and written once.", ""]
+    if "cpu" in gpus:
+        out += ["CPU rows come from the `tiny` grid (K = V = 16, host wall time): a smoke test of the "
+                "harness, not a result.", ""]
+    drow = details.get("rows", {})
+    for p in ("fwd", "bwd", "decode"):
+        t = pass_table(rows, p, drow)
+        if t:
+            out += [f"## {PASS_TITLES[p]}", ""] + t + [""]
+
+    # accuracy: one value per (pass, head config, implementation)
+    acc: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r.get("rel_err_vs_ref") is not None:
+            acc.setdefault((r["pass"], r["H"], r["HV"]), {})[r["impl"]] = r["rel_err_vs_ref"]
+    if acc:
+        impls = _impl_order(i for v in acc.values() for i in v)
+        out += ["## Accuracy vs the float64 reference", "",
+                "Relative L2 error on a small varlen problem per head config (fwd: o; bwd: the largest "
+                "over dq, dk, dv, dg, dbeta; decode: o and the final state).", "",
+                "| pass | H | HV | " + " | ".join(impls) + " |", "|" + "---|" * (3 + len(impls))]
+        for (p, H, HV), v in sorted(acc.items(), key=lambda kv: (("fwd", "bwd", "decode").index(kv[0][0]),) + kv[0][1:]):
+            out.append(f"| {p} | {H} | {HV} | " + " | ".join(
+                "—" if i not in v else f"{v[i]:.2e}" for i in impls) + " |")
+        out.append("")
+
+    out += ["## Every row", "",
+            "| pass | H | HV | seqlens | B | impl | kernel ms | eager ms | peak MiB | err vs ref | "
+            "max diff vs first impl | timing | same-run anchor | date |",
+            "|" + "---|" * 14]
+    for r in rows:
+        d = drow.get(key_str(row_key(r)), {})
+        diff = d.get("diff_vs") or {}
+        diff_txt = ", ".join(f"{v:.1e} ({k})" if isinstance(v, float) else f"{v} ({k})" for k, v in diff.items())
+        peak = "" if r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**20:.0f}"
+        err = "" if r.get("rel_err_vs_ref") is None else f"{r['rel_err_vs_ref']:.2e}"
+        out.append(f"| {r['pass']} | {r['H']} | {r['HV']} | {r['seqlens']} | {'' if r['B'] is None else r['B']} | "
+                   f"{r['impl']} | {_fmt_ms(r['kernel_ms'])} | {_fmt_ms(r.get('eager_ms'))} | {peak} | {err} | "
+                   f"{diff_txt} | {d.get('timing', '')} | {'yes' if r.get('anchor_same_run') else 'no'} | {r['date']} |")
+    out.append("")
+
+    events = details.get("events", [])
+    if events:
+        out += ["## Not measured", "", "| pass | H | HV | seqlens | B | impl | status | reason |", "|" + "---|" * 8]
+        for e in events:
+            reason = str(e.get("reason", "")).replace("|", "/").replace("\n", " ")[:240]
+            out.append(f"| {e['pass']} | {e['H']} | {e['HV']} | {e['seqlens']} | {'' if e['B'] is None else e['B']} | "
+                       f"{e['impl']} | {e['status']} | {reason} |")
+        out.append("")
+
+    runs = details.get("runs", [])
+    if runs:
+        out += ["## Produced by", ""]
+        for r in runs:
+            out.append(f"- {r.get('date')} ({r.get('gpu')}): `{r.get('command')}`")
+            for name, why in (r.get("unavailable") or {}).items():
+                out.append(f"  - not run: {name}: {str(why)[:200]}")
+        versions = sorted({json.dumps(r["versions"], sort_keys=True) for r in rows})
+        if versions:
+            out += ["", "Versions: " + "; ".join(
+                ", ".join(f"{k} {v}" for k, v in json.loads(s).items() if v) for s in versions)]
+        out.append("")
+    return "\n".join(out)
+
+
+def command_text(details: dict) -> str:
+    return "".join(f"# {r.get('date')} {r.get('gpu')} run {r.get('id')}\n{r.get('command')}\n"
+                   for r in details.get("runs", []))
+
+
+# -- chart ---------------------------------------------------------------------------------------
+def chart(rows: list[dict], path: Path) -> bool:
+    """Speedup over FLA per grid point, one panel per pass. Returns False when nothing to draw."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passes = [p for p in ("fwd", "bwd", "decode") if any(r["pass"] == p for r in rows)]
+    if not passes:
+        return False
+    have_fla = any(r["impl"] == ANCHOR_FLA for r in rows)
+    fig, axes = plt.subplots(len(passes), 1, figsize=(max(8.0, 0.5 * len(rows) / len(passes) + 4), 3.6 * len(passes)),
+                             squeeze=False)
+    for ax, p in zip(axes[:, 0], passes):
+        prow = sort_rows([r for r in rows if r["pass"] == p])
+        points: list[tuple] = []
+        for r in prow:
+            if _point_key(r) not in points:
+                points.append(_point_key(r))
+        cell = {(_point_key(r), r["impl"]): r["kernel_ms"] for r in prow}
+        impls = [i for i in _impl_order(r["impl"] for r in prow) if not (have_fla and i == ANCHOR_FLA)]
+        width = 0.8 / max(1, len(impls))
+        for j, impl in enumerate(impls):
+            xs, ys = [], []
+            for x, pk in enumerate(points):
+                ms = cell.get((pk, impl))
+                if ms is None:
+                    continue
+                if have_fla:
+                    base = cell.get((pk, ANCHOR_FLA))
+                    if base is None:
+                        continue
+                    ys.append(base / ms)
+                else:
+                    ys.append(ms)
+                xs.append(x - 0.4 + width * (j + 0.5))
+            ax.bar(xs, ys, width=width, label=impl)
+        labels = [f"B={pk[4]} {pk[1]}/{pk[2]}" if p == "decode" else f"{pk[1]}/{pk[2]} {pk[3]}" for pk in points]
+        ax.set_xticks(range(len(points)))
+        ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+        if have_fla:
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_ylabel("speedup over FLA")
+        else:
+            ax.set_yscale("log")
+            ax.set_ylabel("kernel ms (no FLA rows)")
+        ax.set_title(f"{PASS_TITLES[p]} — H/HV seqlens", fontsize=9)
+        if impls:
+            ax.legend(fontsize=7)
+    gpus = ", ".join(sorted({r["gpu"] for r in rows}))
+    fig.suptitle(f"gdnkit vs anchors on {gpus}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(out_dir: Path, rows: list[dict], details: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.md").write_text(markdown(rows, details))
+    (out_dir / "command.txt").write_text(command_text(details))
+    try:
+        chart(rows, out_dir / "speedup.png")
+    except Exception as exc:  # a chart must never cost the measured numbers
+        (out_dir / "chart_error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
+
+
+def short_table(rows: list[dict], details: dict, points: set | None = None) -> str:
+    """The tables of the points this run touched, for the end of the console output."""
+    if points is not None:
+        rows = [r for r in rows if _point_key(r) in points]
+    out = []
+    for p in ("fwd", "bwd", "decode"):
+        t = pass_table(rows, p, details.get("rows", {}))
+        if t:
+            out += [f"{PASS_TITLES[p]}:"] + t + [""]
+    return "\n".join(out)

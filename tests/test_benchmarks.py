@@ -1,0 +1,281 @@
+"""CPU tests of the benchmark harness (gdnkit.benchmarks): grids, inputs, timing, runner, merging, report.
+
+Results written here go to pytest's tmp dirs; fake implementations stand in for the anchors so the
+failure, skip and cached-anchor paths run without a GPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gdnkit.benchmarks import cli, grids, impls, inputs, report, runner, timing
+from gdnkit.benchmarks.grids import Grid, Point
+
+ROW_TYPES = {"pass": str, "H": int, "HV": int, "seqlens": str, "B": (int, type(None)), "impl": str,
+             "kernel_ms": float, "eager_ms": (float, type(None)), "peak_mem_bytes": (int, type(None)),
+             "rel_err_vs_ref": (float, type(None)), "anchor_same_run": bool, "gpu": str, "date": str,
+             "versions": dict}
+
+
+def check_row(row: dict) -> None:
+    assert tuple(row) == runner.ROW_FIELDS, f"row keys {tuple(row)}"
+    for k, t in ROW_TYPES.items():
+        assert isinstance(row[k], t), f"{k}={row[k]!r} is not {t}"
+    assert row["pass"] in ("fwd", "bwd", "decode")
+    assert row["impl"] in ("fla", "flashqla") or row["impl"].startswith("gdnkit:")
+    assert row["kernel_ms"] > 0 and math.isfinite(row["kernel_ms"])
+    assert (row["B"] is None) == (row["pass"] != "decode")
+    assert len(row["date"]) == 10 and row["date"][4] == "-"
+    assert row["versions"]["torch"] == torch.__version__
+
+
+# -- fakes ---------------------------------------------------------------------------------------
+class FakeImpl(impls.Impl):
+    """Cheap stand-in: o = beta * v (wrong on purpose; accuracy is only recorded, not judged here)."""
+
+    def __init__(self, name="gdnkit:fake", anchor=False, fail_at=None, calls=None):
+        self.name, self.is_anchor, self.fail_at = name, anchor, fail_at
+        self.version_keys = ("fla", "torch") if anchor else ("torch",)
+        self.calls = calls if calls is not None else []
+
+    def _check(self, inp):
+        self.calls.append(inp.q.shape[1])
+        if self.fail_at is not None and inp.q.shape[1] == self.fail_at:
+            raise RuntimeError("planted failure")
+
+    def chunk(self, inp, output_final_state=False):
+        self._check(inp)
+        return (inp.v.float() * inp.beta[..., None]).to(inp.v.dtype), None
+
+    def decode(self, inp):
+        self._check(inp)
+        return (inp.v.float() * inp.beta[..., None]).to(inp.v.dtype), inp.initial_state * 0.5
+
+
+SMALL = Grid("small", (Point("fwd", 1, 2, (8,), K=8, V=8), Point("fwd", 1, 2, (3, 9), K=8, V=8),
+                       Point("decode", 1, 2, (1, 1), B=2, K=8, V=8)),
+             accuracy_seqlens=(1, 5), accuracy_decode_B=2)
+
+
+def run_small(impl_list, grid=SMALL, **kw):
+    logs = []
+    cfg = runner.RunConfig(grid=grid, impls=impl_list, device=torch.device("cpu"), log=logs.append,
+                           progress=False, run_id="test", **kw)
+    return runner.run_grid(cfg), logs
+
+
+# -- grids and inputs ----------------------------------------------------------------------------
+def test_quick_grid_is_the_issue_grid():
+    g = grids.get_grid("quick")
+    fwd = [p for p in g.points if p.pass_ == "fwd"]
+    assert {(p.H, p.HV) for p in fwd} == {(2, 8), (4, 16), (8, 32), (16, 64)}
+    assert {p.label for p in fwd} == {"1x32768", "1x2048", "4096x8"}
+    assert {p.seqlens for p in fwd} == {(32768,), (2048,), (4096,) * 8}  # 4096x8: eight sequences of 4096
+    bwd = [p for p in g.points if p.pass_ == "bwd"]
+    assert {(p.H, p.HV, p.label) for p in bwd} == {(h, hv, s) for h, hv in ((4, 8), (16, 32))
+                                                   for s in ("1x8192", "1x32768")}
+    dec = [p for p in g.points if p.pass_ == "decode"]
+    assert {(p.B, p.H, p.HV) for p in dec} == {(1, 16, 64), (64, 16, 64), (256, 2, 8), (256, 16, 32)}
+    assert all(p.K == p.V == 128 for p in g.points)
+    full = grids.get_grid("full")
+    assert len([p for p in full.points if p.pass_ == "fwd"]) == 9 * 19
+    assert len([p for p in full.points if p.pass_ == "bwd"]) == 4 * 8
+    assert all(sum(p.seqlens) in (8192, 32768) for p in full.points if p.pass_ == "bwd")
+    assert len({p.key for p in full.points}) == len(full.points)
+    # head configs of one pass stay together (one compile per config for the TileLang anchor)
+    order = [(p.pass_, p.H, p.HV) for p in full.points]
+    assert all(order.index(x) == i or order[i - 1] == x for i, x in enumerate(order))
+
+
+def test_select_and_labels():
+    g = grids.get_grid("quick").select(passes=["bwd"], heads=[(4, 8)])
+    assert [p.label for p in g.points] == ["1x8192", "1x32768"]
+    assert grids.seqlens_label((28672, 4096)) == "28672+4096"
+    assert sum(grids.random_split(8192, 4)) == 8192 and grids.random_split(8192, 4) == grids.random_split(8192, 4)
+
+
+def test_inputs_follow_the_anchor_recipe():
+    p = Point("fwd", 2, 4, (5, 11), K=16, V=8)
+    a = inputs.make_point_inputs(p, "cpu")
+    b = inputs.make_point_inputs(p, "cpu")
+    c = inputs.make_point_inputs(p, "cpu", set_index=1)
+    assert torch.equal(a.q, b.q) and not torch.equal(a.q, c.q)  # seeded per point and set
+    assert a.q.dtype == a.k.dtype == a.v.dtype == torch.bfloat16
+    assert a.g.dtype == a.beta.dtype == torch.float32
+    assert a.q.shape == (1, 16, 2, 16) and a.v.shape == (1, 16, 4, 8) and a.g.shape == (1, 16, 4)
+    assert a.cu_seqlens.tolist() == [0, 5, 16] and a.cu_seqlens.dtype == torch.long
+    norms = a.k.float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+    assert (a.g < 0).all() and (a.beta >= 0.5).all() and (a.beta < 0.74).all()
+    for t in (a.q, a.k, a.v, a.g, a.beta):
+        assert (t != 0).float().mean() > 0.99  # never zeros
+    d = inputs.make_point_inputs(Point("decode", 2, 4, (1,) * 3, B=3, K=16, V=8), "cpu")
+    assert d.q.shape == (3, 1, 2, 16) and d.cu_seqlens is None
+    assert d.initial_state.shape == (3, 4, 16, 8) and d.initial_state.dtype == torch.float32
+    bw = inputs.make_point_inputs(Point("bwd", 1, 2, (7,), K=8, V=8), "cpu")
+    assert bw.do is not None and bw.do.shape == bw.v.shape
+
+
+# -- timing --------------------------------------------------------------------------------------
+def test_timing_helpers_return_positive_medians():
+    x = torch.randn(64, 64)
+    fns = [lambda: x @ x, lambda: x @ x.T]
+    t = timing.time_kernel(fns, "cpu", reps=5)  # raised to the floor of 20
+    assert t.method == "cpu-wall" and len(t.samples_ms) >= 20
+    assert t.median_ms > 0 and all(s > 0 for s in t.samples_ms) and t.spread >= 0
+    assert timing.time_eager(fns, "cpu") > 0
+    assert timing.peak_memory(fns[0], "cpu") is None
+
+
+def test_profiler_attribution_by_time_windows():
+    # three calls opening at 0, 100, 200 us (out of order); kernels land after their window opened
+    windows = [(100.0, 1), (0.0, 0), (200.0, 2)]
+    activity = [(5.0, 10.0), (20.0, 30.0), (110.0, 40.0), (205.0, 50.0), (260.0, 10.0)]
+    per_call, note = timing.attribute(windows, activity, 3)
+    assert per_call == pytest.approx([0.04, 0.04, 0.06]) and note == ""
+    per_call, note = timing.attribute(windows[:2], activity, 3)  # a window missing: the mean, said so
+    assert per_call == pytest.approx([0.14 / 3] * 3) and "failed" in note
+
+
+# -- runner --------------------------------------------------------------------------------------
+def test_failure_at_one_point_is_recorded_and_the_run_goes_on():
+    bad = FakeImpl("gdnkit:bad", fail_at=12)  # fails on the 3+9 point only
+    good = FakeImpl("gdnkit:good")
+    out, logs = run_small([good, bad])
+    got = {(r["seqlens"], r["impl"]) for r in out.rows}
+    assert ("3+9", "gdnkit:bad") not in got
+    assert {("1x8", "gdnkit:bad"), ("1x8", "gdnkit:good"), ("3+9", "gdnkit:good"),
+            ("1x2", "gdnkit:bad"), ("1x2", "gdnkit:good")} <= got
+    failed = [e for e in out.events if e["status"] == "failed"]
+    assert len(failed) == 1 and failed[0]["impl"] == "gdnkit:bad" and "planted" in failed[0]["reason"]
+    assert ("fwd", 1, 2, "3+9", None, "gdnkit:bad") in out.failed_keys
+    assert any("planted failure" in line for line in logs)  # traceback kept in the log
+    for r in out.rows:
+        check_row(r)
+    # the second implementation at a point is compared with the first on the same inputs
+    d = out.details[runner.key_str(("fwd", 1, 2, "1x8", None, "gdnkit:bad"))]
+    assert d["diff_vs"] == {"gdnkit:good": 0.0}
+
+
+def test_unavailable_and_unsupported_are_not_failures():
+    class Gone(FakeImpl):
+        def unavailable(self, device):
+            return "not installed here"
+
+    class NoDecode(FakeImpl):
+        def skip_reason(self, point):
+            return "no decode" if point.pass_ == "decode" else None
+
+    out, _ = run_small([Gone("fla", anchor=True), NoDecode("flashqla", anchor=True)])
+    assert out.unavailable == {"fla": "not installed here"}
+    assert [e["status"] for e in out.events] == ["unsupported"]
+    assert not out.failed_keys
+    assert {r["impl"] for r in out.rows} == {"flashqla"}
+    assert all(r["anchor_same_run"] for r in out.rows)
+
+
+def test_budget_stops_new_measurements():
+    out, _ = run_small([FakeImpl()], budget_s=0.0)
+    assert out.rows == [] and out.stopped_early
+    assert {e["status"] for e in out.events} == {"skipped"}
+
+
+def test_cached_anchor_rows_are_reused_and_marked(monkeypatch):
+    versions = dict(impls.environment_versions(), fla="0.6.0")  # as on the GPU bundle
+    monkeypatch.setattr(runner, "environment_versions", lambda: dict(versions))
+    point = SMALL.points[0]
+    cached = {"pass": "fwd", "H": 1, "HV": 2, "seqlens": "1x8", "B": None, "impl": "fla", "kernel_ms": 0.5,
+              "eager_ms": 1.0, "peak_mem_bytes": None, "rel_err_vs_ref": 3e-3, "anchor_same_run": True,
+              "gpu": "cpu", "date": "2026-01-01", "versions": dict(versions)}
+    stale = dict(cached, seqlens="3+9", versions=dict(versions, fla="0.0.1"))  # other fla version: unusable
+    other_gpu = dict(cached, seqlens="1x2", B=2, **{"pass": "decode"}, gpu="NVIDIA H100")
+    calls = []
+    fla = FakeImpl("fla", anchor=True, calls=calls)
+    ours = FakeImpl("gdnkit:x")
+    out, logs = run_small([fla, ours], anchors="cached", cached_rows=[cached, stale, other_gpu])
+    rows = {(r["seqlens"], r["impl"]): r for r in out.rows}
+    assert rows[("1x8", "fla")]["kernel_ms"] == 0.5 and rows[("1x8", "fla")]["anchor_same_run"] is False
+    assert rows[("1x8", "gdnkit:x")]["anchor_same_run"] is False
+    # no usable cache -> measured live, and then the point's rows say so
+    assert rows[("3+9", "fla")]["kernel_ms"] != 0.5 and rows[("3+9", "fla")]["anchor_same_run"] is True
+    assert rows[("3+9", "gdnkit:x")]["anchor_same_run"] is True
+    assert rows[("1x2", "fla")]["anchor_same_run"] is True
+    assert 8 not in calls  # the cached point never ran the anchor
+    assert sum("[cache-miss]" in line for line in logs) == 2
+    assert runner.find_cached([cached], point, fla, "cpu", versions) is cached
+    assert runner.find_cached([cached], point, fla, "NVIDIA H200", versions) is None
+
+
+def test_merge_replaces_same_key_keeps_others_drops_failed():
+    def row(seq, impl, ms):
+        return {"pass": "fwd", "H": 1, "HV": 2, "seqlens": seq, "B": None, "impl": impl, "kernel_ms": ms}
+    old = [row("1x8", "fla", 1.0), row("1x16", "fla", 2.0), row("1x32", "gdnkit:x", 3.0),
+           {**row("1x2", "fla", 4.0), "pass": "decode", "B": 2}]
+    new = [row("1x8", "fla", 9.0)]
+    merged = runner.merge_rows(old, new, drop={("fwd", 1, 2, "1x32", None, "gdnkit:x")})
+    got = {(r["pass"], r["seqlens"], r["impl"]): r["kernel_ms"] for r in merged}
+    assert got == {("fwd", "1x8", "fla"): 9.0, ("fwd", "1x16", "fla"): 2.0, ("decode", "1x2", "fla"): 4.0}
+
+
+# -- end to end and report -----------------------------------------------------------------------
+def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
+    # Fewer repetitions than the floor of 20 keep this smoke test fast on a busy CPU; the rows'
+    # shape and the merging are what it checks, not the numbers.
+    monkeypatch.setattr(timing, "MIN_REPS", 3)
+    out = tmp_path / "res"
+    argv = ["--grid", "tiny", "--device", "cpu", "--heads", "1x2", "--out", str(out), "--no-progress",
+            "--passes", "fwd,decode"]
+    assert cli.main(argv) == 0
+    for name in ("latest.json", "details.json", "results.md", "speedup.png", "command.txt", "run-fwd-decode.log"):
+        assert (out / name).is_file(), name
+    rows = json.loads((out / "latest.json").read_text())
+    assert {(r["pass"], r["seqlens"]) for r in rows} == {("fwd", "1x64"), ("fwd", "5+27+1"), ("decode", "1x2")}
+    for r in rows:
+        check_row(r)
+        assert r["impl"] == "gdnkit:reference" and r["gpu"] == "cpu" and r["anchor_same_run"] is False
+        # bf16 inputs and output: the error is the output's rounding, ~2e-3, never NaN
+        assert r["rel_err_vs_ref"] is not None and r["rel_err_vs_ref"] < 5e-3
+    assert "--heads 1x2" in (out / "command.txt").read_text()
+    printed = capsys.readouterr().out
+    assert "gdnkit:reference ms" in printed  # the short table comes last
+
+    # a second run of another pass merges into the same latest.json
+    assert cli.main(["--grid", "tiny", "--device", "cpu", "--heads", "1x2", "--out", str(out), "--no-progress",
+                     "--passes", "bwd", "--json"]) == 0
+    rows2 = json.loads((out / "latest.json").read_text())
+    assert {r["pass"] for r in rows2} == {"fwd", "bwd", "decode"} and len(rows2) == len(rows) + 1
+    details = json.loads((out / "details.json").read_text())
+    assert len(details["runs"]) == 2 and set(details["rows"]) == {runner.key_str(runner.row_key(r)) for r in rows2}
+    bwd = next(r for r in rows2 if r["pass"] == "bwd")
+    extras = details["rows"][runner.key_str(runner.row_key(bwd))]
+    assert extras["fwdbwd_ms"] > extras["fwd_train_ms"] and bwd["kernel_ms"] == pytest.approx(
+        extras["fwdbwd_ms"] - extras["fwd_train_ms"])
+    assert cli.main(["--out", str(out), "--report-only"]) == 0
+
+
+def test_report_ratios_and_chart(tmp_path):
+    def row(impl, ms, seq="1x2048", same=True):
+        return {"pass": "fwd", "H": 2, "HV": 8, "seqlens": seq, "B": None, "impl": impl, "kernel_ms": ms,
+                "eager_ms": ms + 1, "peak_mem_bytes": 2**20, "rel_err_vs_ref": 2e-3, "anchor_same_run": same,
+                "gpu": "NVIDIA H200", "date": "2026-01-01", "versions": {"torch": "x"}}
+    rows = [row("fla", 1.0), row("flashqla", 0.5), row("gdnkit:t", 0.25),
+            row("fla", 2.0, "1x32768", same=False), row("gdnkit:t", 1.0, "1x32768", same=False)]
+    md = report.markdown(rows, report.empty_details())
+    assert "gdnkit:t vs FLA" in md and "gdnkit:t vs FlashQLA" in md and "flashqla vs FLA" in md
+    assert "| 2 | 8 | 1x2048 | 1.000 | 0.5000 | 0.2500 | 2.00x | 4.00x | 2.00x |" in md
+    assert "2.000*" in md  # a cached anchor is marked
+    assert "**2.83x**" in md  # geomean of 4x and 2x
+    assert report.chart(rows, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_resolve_implementations():
+    names = [i.name for i in impls.resolve("all", "cpu")]
+    assert names[:2] == ["fla", "flashqla"] and "gdnkit:reference" in names
+    assert [i.name for i in impls.resolve("gdnkit:reference,fla", "cpu")] == ["fla", "gdnkit:reference"]
+    with pytest.raises(ValueError):
+        impls.resolve("flashinfer", "cpu")
+    assert impls.gpu_slug("NVIDIA H200") == "h200" and impls.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert impls.FlaImpl().unavailable("cpu") and impls.FlashQLAImpl().unavailable("cpu")
