@@ -23,6 +23,9 @@ class Backend(abc.ABC):
     name: str
     priority: int  # higher wins in auto selection
     description: str
+    # The serving interface (problem.serving: a state pool written in place through ssm_state_indices) is
+    # opt-in: a backend that has not implemented it would read the pool as a dense initial state.
+    serves_state_pool: bool = False
 
     def unavailable_reasons(self, machine: Machine) -> list[str]:
         """Reasons this backend cannot run on `machine` whatever the problem; empty when it can."""
@@ -33,7 +36,10 @@ class Backend(abc.ABC):
         """Reasons this backend cannot take `problem`; empty when it can."""
 
     def reasons(self, problem: Problem, machine: Machine) -> list[str]:
-        return self.unavailable_reasons(machine) or self.supports(problem, machine)
+        reasons = self.unavailable_reasons(machine) or self.supports(problem, machine)
+        if problem.serving and not self.serves_state_pool:
+            reasons = [*reasons, "does not implement the serving state pool (ssm_state_indices)"]
+        return reasons
 
     # Entry points. `saved` is whatever the backend's forward keeps for its backward (tensors or
     # an object holding them); gdnkit's autograd glue stores it and hands it back unchanged.
@@ -62,6 +68,7 @@ class Backend(abc.ABC):
 # compiler is missing still registers and says so in unavailable_reasons().
 BACKEND_MODULES = (
     "gdnkit.backends.reference",
+    "gdnkit.backends.triton_generic",
 )
 
 _registry: dict[str, Backend] = {}

@@ -34,13 +34,35 @@ _ARGS_DOC = """
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state or None.
 """
 
+_SERVING_DOC = """
+    Serving (vLLM-style; inference only, no autograd):
+        ssm_state_indices: [N] or [N, C] int32/int64. Makes initial_state a state pool [num_slots, HV, K, V]
+            (float32, bfloat16 or float16 storage, fp32 math; any slot stride, each slot contiguous) that is
+            read and written in place. [N]: sequence n starts from slot idx[n] and its final state is
+            written back there. [N, C] (multi-token verify): sequence n starts from slot
+            idx[n, num_accepted_tokens[n] - 1] (idx[n, 0] without num_accepted_tokens) and the state after
+            its token t is written to slot idx[n, t], so the engine can roll back to any accepted prefix;
+            C must cover every sequence's token count. A read slot of -1 marks a padding sequence: no state
+            memory is touched and its outputs are zero. A write slot of -1 skips that write.
+        num_accepted_tokens: [N] int32/int64 in [1, C], with 2-D ssm_state_indices: how many tokens of the
+            previous verify step were accepted, i.e. which kept state to start from.
+        inplace_final_state: default True with ssm_state_indices; the second return value is then the pool
+            itself. False (1-D indices only): the pool is only read, and the final states are returned as a
+            new float32 [N, ...] tensor when output_final_state (zero rows for padding sequences).
+        Index values are checked (one host sync on GPU tensors) except while a CUDA graph is being captured;
+        no two sequences may write one slot, nor may one read a slot another writes, in the same call.
+"""
+
 
 def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
     problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state,
                                       **options)
     chosen, _ = dispatch.select(problem, backend)
-    # Kernels index raw memory; the reference does not care. One place makes layouts plain.
-    inputs = inputs._replace(**{name: t.contiguous() for name, t in inputs._asdict().items() if t is not None})
+    # Kernels index raw memory; the reference does not care. One place makes layouts plain. A serving
+    # pool is written in place, so it is never copied (validation checked its slots are contiguous).
+    keep = ("initial_state",) if problem.serving else ()
+    inputs = inputs._replace(**{name: t.contiguous() for name, t in inputs._asdict().items()
+                                if t is not None and name not in keep})
     return autograd.run(chosen, problem, inputs)
 
 
@@ -52,7 +74,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
                            state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
                            backend: str | None = None):
-    """The gated delta rule over whole sequences (prefill and training), chunked.""" + _ARGS_DOC
+    """The gated delta rule over whole sequences (prefill and training), chunked."""
     return _call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -67,13 +89,22 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                                      use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
                                      state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
+                                     ssm_state_indices: torch.Tensor | None = None,
+                                     num_accepted_tokens: torch.Tensor | None = None,
+                                     inplace_final_state: bool | None = None,
                                      backend: str | None = None):
-    """The gated delta rule token by token (decode and short inputs); same semantics as the chunked call.
-    """ + _ARGS_DOC
+    """The gated delta rule token by token (decode and short inputs); same semantics as the chunked call."""
     return _call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                 ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                 inplace_final_state=inplace_final_state)
+
+
+# A string expression after the signature is no docstring: the shared argument text is appended here.
+chunk_gated_delta_rule.__doc__ += _ARGS_DOC
+fused_recurrent_gated_delta_rule.__doc__ += _ARGS_DOC + _SERVING_DOC
 
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,

@@ -30,6 +30,26 @@ class GDNInputs(NamedTuple):
     cu_seqlens: torch.Tensor | None
 
 
+class GDNServingInputs(NamedTuple):
+    """GDNInputs plus the serving interface's tensors; only serving problems (problem.serving) carry it.
+
+    A separate tuple rather than two more GDNInputs fields: serving is inference-only, so it never meets
+    the autograd glue, and backends that unpack GDNInputs positionally keep working.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    initial_state: torch.Tensor  # the state pool [num_slots, HV, K, V] (or [.., V, K])
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    ssm_state_indices: torch.Tensor  # [N] or [N, C] int32/int64, -1 = padding / no write
+    num_accepted_tokens: torch.Tensor | None  # [N] int32/int64, with 2-D indices only
+
+
 class GDNGrads(NamedTuple):
     """Gradients a backend's backward returns, in the order of GDNInputs (None where not needed)."""
 
@@ -71,6 +91,14 @@ class Problem:
     allow_neg_eigval: bool = False
     state_v_first: bool = False
     needs_grad: bool = False
+    # The serving interface (fused_recurrent only): initial_state is a pool of num_slots states that
+    # ssm_state_indices maps sequences to; per_token_slots: 2-D indices, the state after every token is
+    # written to its own slot (rollback of speculative tokens).
+    serving: bool = False
+    num_slots: int = 0
+    per_token_slots: bool = False
+    has_num_accepted_tokens: bool = False
+    inplace_final_state: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -86,7 +114,8 @@ class Problem:
         return (f"{self.mode} {seq} H={self.H} HV={self.HV} K={self.K} V={self.V} "
                 f"{str(self.dtype).removeprefix('torch.')} on {self.device_type}"
                 f"{'' if self.device_index is None else ':' + str(self.device_index)}"
-                f"{' +grad' if self.needs_grad else ''}")
+                f"{' +grad' if self.needs_grad else ''}"
+                f"{f' serving pool of {self.num_slots} slots' if self.serving else ''}")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -131,10 +160,129 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
         raise ValueError(f"cu_seqlens ends at {offsets[-1]}, past the {T} tokens of q/k/v (T={T})")
 
 
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, indices, accepted,
+                   inplace_final_state) -> dict | None:
+    """The serving arguments: None for a plain call, else the Problem fields they set."""
+    if indices is None:
+        if accepted is not None:
+            raise ValueError("num_accepted_tokens picks the read slot among ssm_state_indices[n, :] and needs "
+                             "2-D ssm_state_indices [N, C]; got ssm_state_indices=None")
+        if inplace_final_state:
+            raise ValueError("inplace_final_state=True writes final states into the pool slots named by "
+                             "ssm_state_indices; got ssm_state_indices=None")
+        return None
+    if mode != RECURRENT_MODE:
+        raise ValueError("ssm_state_indices (the serving state pool) is taken by fused_recurrent_gated_delta_rule "
+                         "only")
+    if inplace_final_state is not None and not isinstance(inplace_final_state, bool):
+        raise TypeError(f"inplace_final_state must be a bool or None, got {type(inplace_final_state).__name__}")
+    inplace = True if inplace_final_state is None else inplace_final_state
+
+    if pool is None:
+        raise ValueError("ssm_state_indices maps sequences to slots of a state pool passed as initial_state "
+                         "[num_slots, HV, K, V]; got initial_state=None")
+    pool_layout = "[num_slots, HV, V, K] (state_v_first)" if state_v_first else "[num_slots, HV, K, V]"
+    _require_rank("initial_state", pool, 4, pool_layout)
+    inner = (HV, V, K) if state_v_first else (HV, K, V)
+    _require_shape("initial_state", pool, (pool.shape[0], *inner), pool_layout)
+    allowed = POOL_DTYPES + ((torch.float64,) if q.dtype == torch.float64 else ())
+    if pool.dtype not in allowed:
+        raise TypeError(f"initial_state (the state pool) must be float32, bfloat16 or float16"
+                        f"{' (or float64 with float64 inputs)' if q.dtype == torch.float64 else ''}, got {pool.dtype}")
+    slot_contiguous = pool.stride(3) == 1 and pool.stride(2) == inner[2] and pool.stride(1) == inner[1] * inner[2]
+    if pool.shape[0] > 0 and not slot_contiguous:
+        raise ValueError(f"initial_state (the state pool) is updated in place and must be contiguous within each "
+                         f"slot ({'[HV, V, K]' if state_v_first else '[HV, K, V]'}; any slot stride), got strides "
+                         f"{tuple(pool.stride())}")
+    num_slots = pool.shape[0]
+
+    if indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"ssm_state_indices must be an int32 or int64 tensor, got {indices.dtype}")
+    if indices.dim() not in (1, 2) or indices.shape[0] != N or (indices.dim() == 2 and indices.shape[1] < 1):
+        raise ValueError(f"ssm_state_indices must have shape [N] or [N, C] (C >= 1) with N={N} sequences, "
+                         f"got {_shape(indices)}")
+    per_token = indices.dim() == 2
+    if per_token and not inplace:
+        raise ValueError("2-D ssm_state_indices write the state after every token into its slot; "
+                         "inplace_final_state=False is only possible with 1-D ssm_state_indices [N]")
+    if accepted is not None:
+        if not per_token:
+            raise ValueError("num_accepted_tokens picks the read slot among ssm_state_indices[n, :] and needs "
+                             f"2-D ssm_state_indices [N, C], got shape {_shape(indices)}")
+        if accepted.dtype not in INDEX_DTYPES:
+            raise TypeError(f"num_accepted_tokens must be an int32 or int64 tensor, got {accepted.dtype}")
+        _require_shape("num_accepted_tokens", accepted, (N,), "[N]")
+
+    # The values cost a host sync on GPU tensors: skipped while a CUDA graph is being captured (the
+    # caller vouches for them there), as for cu_seqlens.
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens)
+    return dict(serving=True, num_slots=num_slots, per_token_slots=per_token,
+                has_num_accepted_tokens=accepted is not None, inplace_final_state=inplace)
+
+
+def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens) -> None:
+    idx = indices.detach().cpu().long()
+    bad = (idx < -1) | (idx >= num_slots)
+    if bad.any():
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"ssm_state_indices must hold pool slots in [0, {num_slots}) or -1 for padding, got "
+                         f"{int(idx[at])} at {list(at)}")
+    if idx.dim() == 1:
+        read = idx
+    else:
+        C = idx.shape[1]
+        col = torch.zeros(N, dtype=torch.long)
+        if accepted is not None:
+            col = accepted.detach().cpu().long() - 1
+            bad = (col < 0) | (col >= C)
+            if bad.any():
+                n = int(bad.nonzero()[0, 0])
+                raise ValueError(f"num_accepted_tokens must be in [1, {C}] (the columns of ssm_state_indices), "
+                                 f"got {int(col[n]) + 1} for sequence {n}")
+        read = idx.gather(1, col[:, None])[:, 0]
+        lengths = (torch.full((N,), T, dtype=torch.long) if cu_seqlens is None
+                   else cu_seqlens.detach().cpu().long().diff())
+        too_long = (lengths > C) & (read >= 0)
+        if too_long.any():
+            n = int(too_long.nonzero()[0, 0])
+            raise ValueError(f"2-D ssm_state_indices need a slot column per token: sequence {n} has "
+                             f"{int(lengths[n])} tokens, ssm_state_indices has C={C} columns")
+    if not inplace:
+        return
+    # Two sequences writing one slot, or one writing a slot another reads, would race in the kernel.
+    live = read >= 0
+    if idx.dim() == 1:
+        writes, owners = read[live], live.nonzero()[:, 0]
+    else:
+        t = torch.arange(idx.shape[1])
+        used = live[:, None] & (t[None, :] < lengths[:, None]) & (idx >= 0)
+        writes, owners = idx[used], used.nonzero()[:, 0]
+    owner_of = torch.full((num_slots,), -1, dtype=torch.long)
+    owner_of[writes] = owners
+    clash = owner_of[writes] != owners
+    if clash.any():
+        i = int(clash.nonzero()[0, 0])
+        raise ValueError(f"ssm_state_indices: pool slot {int(writes[i])} is written by sequences {int(owners[i])} "
+                         f"and {int(owner_of[writes[i]])}; each slot may belong to one sequence per call")
+    readers = live.nonzero()[:, 0]
+    writer = owner_of[read[readers]]
+    clash = (writer >= 0) & (writer != readers)
+    if clash.any():
+        i = int(clash.nonzero()[0, 0])
+        raise ValueError(f"ssm_state_indices: sequence {int(readers[i])} reads pool slot {int(read[readers[i]])}, "
+                         f"which sequence {int(writer[i])} writes in the same call")
+
+
 def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
-                    cu_seqlens=None) -> tuple[Problem, GDNInputs]:
+                    cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                    inplace_final_state=None) -> tuple[Problem, GDNInputs | GDNServingInputs]:
     """Check a call's arguments and describe it. Raises ValueError/TypeError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(name, t)
@@ -167,7 +315,8 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
 
     device = q.device
     named = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-             ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens)]
+             ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
+             ("ssm_state_indices", ssm_state_indices), ("num_accepted_tokens", num_accepted_tokens)]
     for name, t in named:
         if t is not None:
             _require_tensor(name, t)
@@ -185,7 +334,11 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
 
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     state_layout = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
-    if initial_state is not None:
+    serving = _check_serving(mode, q, T, N, HV, K, V, state_v_first, initial_state, cu_seqlens,
+                             ssm_state_indices, num_accepted_tokens, inplace_final_state)
+    if serving is not None:
+        pass  # initial_state is the pool, checked above
+    elif initial_state is not None:
         _require_rank("initial_state", initial_state, 4, state_layout)
         if initial_state.shape[0] != N:
             raise ValueError(f"initial_state must hold one state per sequence: N={N} "
@@ -219,6 +372,9 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
 
     tensors = [q, k, v, g, beta, initial_state, A_log, dt_bias]
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if serving is not None and needs_grad:
+        raise ValueError("the serving interface (ssm_state_indices) updates states in place and is inference-only: "
+                         "call it under torch.no_grad()/torch.inference_mode() or with tensors not requiring grad")
     problem = Problem(
         mode=mode, B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, dtype=q.dtype, gate_dtype=g.dtype,
         device_type=device.type, device_index=device.index, scale=float(scale),
@@ -227,6 +383,9 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
         output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
         use_gate_in_kernel=bool(use_gate_in_kernel), has_dt_bias=dt_bias is not None,
         use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
-        state_v_first=bool(state_v_first), needs_grad=needs_grad)
+        state_v_first=bool(state_v_first), needs_grad=needs_grad, **(serving or {}))
+    if serving is not None:
+        return problem, GDNServingInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                                         ssm_state_indices, num_accepted_tokens)
     inputs = GDNInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
     return problem, inputs

@@ -29,13 +29,26 @@ PACKAGE_SETS = {
 }
 
 # Which backend auto must pick, per (machine, installed compilers, problem). Pinned by hand: a change
-# to selection logic or a backend's supports() that strands a generation shows up here.
-# Today only the reference backend is written, so every machine gets it; each new backend updates
-# its rows.
-EXPECTED = {
-    (gen, pkgs, kind): "reference"
-    for gen in list(GENERATIONS) + ["cpu"] for pkgs in PACKAGE_SETS for kind in ("inference", "training")
+# to selection logic or a backend's supports() that strands a generation shows up here. Every CUDA GPU
+# of compute capability 8.0+ with triton gets triton_generic for inference and training; without
+# triton, and on a CPU, the reference runs. (tilelang_sm90 joins the Hopper rows when it lands.)
+_BY_MACHINE = {
+    ("ampere_sm80", "none"): "reference", ("ampere_sm80", "triton"): "triton_generic",
+    ("ampere_sm80", "triton+tilelang"): "triton_generic",
+    ("ampere_sm86", "none"): "reference", ("ampere_sm86", "triton"): "triton_generic",
+    ("ampere_sm86", "triton+tilelang"): "triton_generic",
+    ("ada_sm89", "none"): "reference", ("ada_sm89", "triton"): "triton_generic",
+    ("ada_sm89", "triton+tilelang"): "triton_generic",
+    ("hopper_sm90", "none"): "reference", ("hopper_sm90", "triton"): "triton_generic",
+    ("hopper_sm90", "triton+tilelang"): "triton_generic",
+    ("blackwell_sm100", "none"): "reference", ("blackwell_sm100", "triton"): "triton_generic",
+    ("blackwell_sm100", "triton+tilelang"): "triton_generic",
+    ("blackwell_sm120", "none"): "reference", ("blackwell_sm120", "triton"): "triton_generic",
+    ("blackwell_sm120", "triton+tilelang"): "triton_generic",
+    ("cpu", "none"): "reference", ("cpu", "triton"): "reference", ("cpu", "triton+tilelang"): "reference",
 }
+EXPECTED = {(gen, pkgs, kind): backend for (gen, pkgs), backend in _BY_MACHINE.items()
+            for kind in ("inference", "training")}
 
 
 def fake_machine(gen: str, pkgs: str) -> dispatch.Machine:
@@ -66,6 +79,15 @@ def test_auto_choice_per_gpu_generation(key):
         chosen, decision = dispatch.select(p)
     assert chosen.name == EXPECTED[key]
     assert decision.source == "auto"
+
+
+def test_pre_ampere_gpu_falls_back_to_reference_with_a_reason():
+    volta = dataclasses.replace(fake_machine("ampere_sm80", "triton"), gpus=(
+        dispatch.GPU(index=0, name="Tesla V100", capability=(7, 0), sm_count=80, total_memory_bytes=32 << 30),))
+    with dispatch.use_machine(volta):
+        chosen, decision = dispatch.select(problem())
+    assert chosen.name == "reference"
+    assert any("compute capability >= 8.0" in r for r in decision.reasons["triton_generic"])
 
 
 @pytest.mark.parametrize("gen", list(GENERATIONS))

@@ -104,6 +104,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     description = "pure PyTorch (any device, float64-capable): the definition of correct"
+    serves_state_pool = True
 
     def supports(self, problem: Problem, machine: Machine) -> list[str]:
         return []
@@ -116,6 +117,10 @@ class ReferenceBackend(Backend):
         return reference_backward(problem, saved, do, dht, chunked_gdn)
 
     def recurrent_forward(self, problem, inputs):
+        if problem.serving:
+            from .serving import serving_forward  # imports this module: kept out of its import time
+            o, ht = serving_forward(problem, inputs)
+            return o, ht, None
         o, ht = reference_forward(problem, inputs, recurrent_gdn)
         return o, ht, inputs
 

@@ -1,0 +1,50 @@
+"""Pieces every triton_generic kernel module shares: launch settings and small jit helpers."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be constexpr
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: tf32x3 (three tf32 products, ~fp32 accuracy on tensor cores; "ieee" lowers to FMA loops
+    that spill everything). bf16/fp16 operands are exact on tensor cores anyway; "tf32" only touches the
+    few fp32 x fp32 products (the dA products of the backward)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def decay(g_rows, g_cols, mask):
+    """exp2(g_rows[t] - g_cols[s]) where mask, else 0; masked before the exp2 so it cannot overflow."""
+    return tl.exp2(tl.where(mask, g_rows[:, None] - g_cols[None, :], float("-inf")))
+
+
+@triton.jit
+def solve_unit_lower16(A, o16):
+    """(I + A)^-1 for a strictly lower-triangular 16x16 tile, by forward substitution on its rows.
+
+    With N = (I + A)^-1 - I, row i is N[i] = -A[i] - sum_{s<i} A[i, s] N[s]; rows 0 and 1 are already
+    final as -A, every later row reads only finished rows."""
+    N = -A
+    for i in tl.static_range(2, 16):
+        a = tl.sum(tl.where((o16 == i)[:, None], N, 0.0), 0)
+        a = a + tl.sum(a[:, None] * N, 0)
+        N = tl.where((o16 == i)[:, None], a[None, :], N)
+    return N + (o16[:, None] == o16[None, :]).to(tl.float32)
+
+
+@triton.jit
+def seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """(bos, sequence length, chunk within the sequence) for a program of a per-chunk grid."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + pid_t * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + pid_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_b.to(tl.int64) * T
+        length = T.to(tl.int64) + 0 * bos
+        i_t = pid_t.to(tl.int64)
+    return bos, length, i_t

@@ -1,0 +1,106 @@
+"""Per chunk and K block, in parallel: the gradients that flow through the output and the state update
+(ALGORITHM.md section 5), given the chunk's S0 (h), dS_end (dh), U, dO and dU:
+
+    dQ  = scale (diag(Gamma) dO S0^T + ((dO U^T) (.) D_incl) K)
+    dK  = scale ((dO U^T) (.) D_incl)^T Q + diag(Gamma_C / Gamma) U dS_end^T      (WY terms come later)
+    dW  = -dU S0^T
+and this chunk's share of dgamma from Gamma, D_incl, Gamma_C and Kt. Every piece is a sum over K, so
+each K block writes its own dgamma partial and backward_wy.py adds them up.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import decay, dot_precision, seq_bounds
+
+
+@triton.jit(do_not_specialize=["T"])
+def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_k, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    if IS_VARLEN:
+        i_c = pid_t.to(tl.int64)
+    else:
+        i_c = i_b.to(tl.int64) * tl.cdiv(T, 64) + pid_t
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o64 = tl.arange(0, 64)
+    r = i_t * 64 + o64
+    m = r < L
+    ck = i_k * BK + tl.arange(0, BK)
+    hb = h + (i_c * HV + i_h) * K * V
+    dhb = dh + (i_c * HV + i_h) * K * V
+    vb = vnew + (bos * HV + i_h) * V
+    dob = do + (bos * HV + i_h) * V
+    dub = du + (bos * HV + i_h) * V
+
+    hq = tl.zeros([64, BK], dtype=tl.float32)     # dO S0^T
+    dkt = tl.zeros([64, BK], dtype=tl.float32)    # U dS_end^T
+    dww = tl.zeros([64, BK], dtype=tl.float32)
+    dA = tl.zeros([64, 64], dtype=tl.float32)     # dO U^T
+    sdh = tl.zeros([BK], dtype=tl.float32)        # <S0, dS_end>, this K block's rows
+    for iv in tl.static_range(0, V, BV):
+        cv = iv + tl.arange(0, BV)
+        mv = cv < V
+        mt = m[:, None] & mv[None, :]
+        hh = tl.load(hb + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        dhh = tl.load(dhb + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        vv = tl.load(vb + r[:, None] * (HV * V) + cv[None, :], mask=mt, other=0.0)
+        dd = tl.load(dob + r[:, None] * (HV * V) + cv[None, :], mask=mt, other=0.0).to(dt)
+        dU = tl.load(dub + r[:, None] * (HV * V) + cv[None, :], mask=mt, other=0.0).to(dt)
+        hq += tl.dot(dd, tl.trans(hh.to(dt)), input_precision=PREC)
+        dA += tl.dot(dd, tl.trans(vv), input_precision=PREC)
+        dkt += tl.dot(vv, tl.trans(dhh.to(dt)), input_precision=PREC)
+        dww -= tl.dot(dU, tl.trans(hh.to(dt)), input_precision=PREC)
+        sdh += tl.sum(hh.to(tl.float32) * dhh.to(tl.float32), 1)
+
+    qq = tl.load(q + bos * H * K + i_hk * K + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+    kk = tl.load(k + bos * H * K + i_hk * K + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+    gg = tl.load(gcum + (bos + r) * HV + i_h, mask=m, other=0.0)
+    last = tl.minimum(i_t * 64 + 64, L) - 1 - i_t * 64
+    g_last = tl.load(gcum + (bos + i_t * 64 + last) * HV + i_h)
+
+    P = dA * decay(gg, gg, (o64[:, None] >= o64[None, :]) & m[:, None] & m[None, :]) * scale
+    hq = hq * (tl.exp2(gg) * scale)[:, None]
+    dQ = hq + tl.dot(P.to(dt), kk, input_precision=PREC)
+    kscale = tl.where(m, tl.exp2(g_last - gg), 0.0)
+    dK = tl.dot(tl.trans(P.to(dt)), qq, input_precision=PREC) + dkt * kscale[:, None]
+
+    qk = tl.dot(qq, tl.trans(kk), input_precision=PREC)
+    M = P * qk
+    Z = tl.sum(dkt * kk.to(tl.float32), 1) * kscale
+    dgam = tl.sum(hq * qq.to(tl.float32), 1) + tl.sum(M, 1) - tl.sum(M, 0) - Z
+    dgam += tl.where(o64 == last, tl.sum(Z, 0) + tl.exp2(g_last) * tl.sum(sdh, 0), 0.0)
+
+    off = (bos * HV + i_h) * K + r[:, None] * (HV * K) + ck[None, :]
+    tl.store(dq + off, dQ, mask=m[:, None])
+    tl.store(dk + off, dK, mask=m[:, None])
+    tl.store(dw + off, dww, mask=m[:, None])
+    tl.store(dgp + i_k * (tl.num_programs(2) // HV) * T * HV + (bos + r) * HV + i_h, dgam, mask=m)
+
+
+def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens, chunk_indices):
+    """Returns per-value-head dq, dk (partial), dW, all [B,T,HV,K] fp32, and dgamma partials [NK,B,T,HV]."""
+    B, _, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    # narrow K blocks and 8 warps: the widest tiles spill on sm90
+    BK = min(32, K)
+    BV = min(64, triton.next_power_of_2(V))
+    NK = triton.cdiv(K, BK)
+    dev = q.device
+    # varlen offsets may end before T; tokens past the end get zeros
+    alloc = torch.zeros if cu_seqlens is not None else torch.empty
+    dq = alloc(B, T, HV, K, device=dev, dtype=torch.float32)
+    dk = alloc(B, T, HV, K, device=dev, dtype=torch.float32)
+    dw = alloc(B, T, HV, K, device=dev, dtype=torch.float32)
+    dgp = alloc(NK, B, T, HV, device=dev, dtype=torch.float32)
+    backward_chunk_kernel[(NK, grid_t, B * HV)](
+        q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
+        num_warps=8)
+    return dq, dk, dw, dgp

@@ -1,0 +1,142 @@
+"""The reverse sequential pass of the backward (ALGORITHM.md section 5): per (sequence, value head, V block)
+dS [K, BV] stays in fp32 registers from the last chunk to the first.
+
+Per chunk (given dS_end): dU = scale (Q K^T (.) D_incl)^T dO + Kt dS_end,
+dS0 = scale Q^T diag(Gamma) dO + Gamma_C dS_end - W^T dU. dS_end of every chunk is written for the
+per-chunk gradient kernel; the first chunk's dS0 is dh0. The first term of dU needs no state: a parallel
+kernel (local_du_kernel) computes it beforehand.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import decay, dot_precision, seq_bounds
+
+
+@triton.jit(do_not_specialize=["T"])
+def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    PREC: tl.constexpr):
+    """du = scale (Q K^T (.) D_incl)^T dO per chunk, in parallel: the part of dU that needs no state, kept
+    out of the sequential pass to shorten its critical path and its register footprint."""
+    i_v, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o64 = tl.arange(0, 64)
+    r = i_t * 64 + o64
+    m = r < L
+    qk = tl.zeros([64, 64], dtype=tl.float32)
+    for ik in tl.static_range(0, K, BK):
+        ck = ik + tl.arange(0, BK)
+        qq = tl.load(q + bos * H * K + i_hk * K + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        kk = tl.load(k + bos * H * K + i_hk * K + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        qk += tl.dot(qq, tl.trans(kk), input_precision=PREC)
+    gg = tl.load(gcum + (bos + r) * HV + i_h, mask=m, other=0.0)
+    qk = qk * decay(gg, gg, (o64[:, None] >= o64[None, :]) & m[:, None] & m[None, :]) * scale
+    cv = i_v * BV + tl.arange(0, BV)
+    mt = m[:, None] & (cv < V)[None, :]
+    off = (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :]
+    dd = tl.load(do + off, mask=mt, other=0.0).to(dt)
+    tl.store(du + off, tl.dot(tl.trans(qk.to(dt)), dd, input_precision=PREC), mask=mt)
+
+
+@triton.jit(do_not_specialize=["T"])
+def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                          STATE_V_FIRST: tl.constexpr, STORE_DH: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        L = T.to(tl.int64) + 0 * bos
+        boh = i_n.to(tl.int64) * tl.cdiv(T, 64)
+    NT = tl.cdiv(L, 64)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
+    if STATE_V_FIRST:
+        s_off = cv[None, :] * K + ck[:, None]
+    else:
+        s_off = ck[:, None] * V + cv[None, :]
+    dS = tl.zeros([K, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS += tl.load(dht + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0).to(tl.float32)
+
+    o64 = tl.arange(0, 64)
+    qb = q + bos * H * K + i_hk * K
+    kb = k + bos * H * K + i_hk * K
+    wb = w + (bos * HV + i_h) * K
+    cb = gcum + bos * HV + i_h
+    dob = do + (bos * HV + i_h) * V
+    for j in range(NT):
+        it = NT - 1 - j
+        r = it * 64 + o64.to(tl.int64)
+        m = r < L
+        if STORE_DH:
+            hb = dh + ((boh + it) * HV + i_h) * K * V
+            tl.store(hb + ck[:, None] * V + cv[None, :], dS.to(dh.dtype.element_ty), mask=mv[None, :])
+        gg = tl.load(cb + r * HV, mask=m, other=0.0)
+        g_last = tl.load(cb + (tl.minimum(it * 64 + 64, L) - 1) * HV)
+        qq = tl.load(qb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        ww = tl.load(wb + r[:, None] * (HV * K) + ck[None, :], mask=m[:, None], other=0.0)
+        dd = tl.load(dob + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0).to(dt)
+        kt = (kk.to(tl.float32) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)
+        # the chunk-local term scale (Q K^T (.) D_incl)^T dO came from local_du_kernel, in du already
+        dU = tl.load(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :],
+                     other=0.0)
+        dU += tl.dot(kt, dS.to(dt), input_precision=PREC)
+        if STORE_DH:
+            tl.store(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], dU,
+                     mask=m[:, None] & mv[None, :])
+        qg = (qq.to(tl.float32) * (tl.exp2(gg) * scale)[:, None]).to(dt)
+        dS = dS * tl.exp2(g_last) + tl.dot(tl.trans(qg), dd, input_precision=PREC)
+        dS -= tl.dot(tl.trans(ww), dU.to(dt), input_precision=PREC)
+
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + s_off, dS, mask=mv[None, :])
+
+
+def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
+    """The chunk-local part of dU [B,T,HV,V] fp32 (backward_state adds the state's part in place)."""
+    B, _, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    BV = min(64, triton.next_power_of_2(V))
+    # varlen offsets may end before T; tokens past the end get zeros
+    du = (torch.zeros if cu_seqlens is not None else torch.empty)(do.shape, device=q.device, dtype=torch.float32)
+    local_du_kernel[(triton.cdiv(V, BV), grid_t, B * HV)](
+        q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype), num_warps=8)
+    return du
+
+
+def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
+                   want_dh0, BV, num_warps=4, num_stages=2, store=True):
+    """Returns (dh [n_chunks, HV, K, V] = dS_end per chunk, dU [B,T,HV,V] fp32, dh0 or None).
+
+    du holds local_du's chunk-local part and receives the full dU in place; store=False computes only
+    dh0 and leaves du as it is (context parallelism's first backward pass)."""
+    B, _, H, K = k.shape
+    HV, V = do.shape[2], do.shape[3]
+    dev = k.device
+    dh = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store else None
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    dh0 = torch.empty(shape, device=dev, dtype=torch.float32) if want_dh0 else None
+    backward_state_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
+        H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None,
+        STORE_DH0=want_dh0, STATE_V_FIRST=state_v_first, STORE_DH=store, PREC=dot_precision(k.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    return dh, du, dh0

@@ -1,0 +1,109 @@
+"""Per chunk, in parallel: the gradients through W = T diag(beta Gamma) K and U' = T diag(beta) V, through
+T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T (.) D)) (ALGORITHM.md section 5), then the gate
+gradient as the reverse cumulative sum of dgamma inside the chunk.
+
+    dBv = T^T dU, dBk = T^T dW, dT = dU Bv^T + dW Bk^T, dA = strictly_lower(-T^T dT T^T)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import decay, dot_precision, seq_bounds
+
+
+@triton.jit(do_not_specialize=["T"])
+def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o64 = tl.arange(0, 64)
+    r = i_t * 64 + o64
+    m = r < L
+    tok = (bos + r) * HV + i_h
+    tt = tl.load(tmat + tok[:, None] * 64 + o64[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    bt = tl.load(beta + tok, mask=m, other=0.0).to(tl.float32)
+    gg = tl.load(gcum + tok, mask=m, other=0.0)
+    gam = tl.exp2(gg)
+    kb = k + bos * H * K + i_hk * K
+
+    dT = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    dgam = tl.zeros([64], dtype=tl.float32)
+    for iv in tl.static_range(0, V, BV):
+        cv = iv + tl.arange(0, BV)
+        mt = m[:, None] & (cv < V)[None, :]
+        vv = tl.load(v + tok[:, None] * V + cv[None, :], mask=mt, other=0.0).to(tl.float32)
+        dU = tl.load(du + tok[:, None] * V + cv[None, :], mask=mt, other=0.0)
+        dT += tl.dot(dU.to(dt), tl.trans((vv * bt[:, None]).to(dt)), input_precision=PREC)
+        dBv = tl.dot(tl.trans(tt.to(dt)), dU.to(dt), input_precision=PREC)
+        tl.store(dv + tok[:, None] * V + cv[None, :], (dBv * bt[:, None]).to(dv.dtype.element_ty), mask=mt)
+        db += tl.sum(dBv * vv, 1)
+
+    kkt = tl.zeros([64, 64], dtype=tl.float32)
+    for ik in tl.static_range(0, K, BK):
+        ck = ik + tl.arange(0, BK)
+        kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        dW = tl.load(dw + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
+        bk = (kk.to(tl.float32) * (bt * gam)[:, None]).to(dt)
+        dT += tl.dot(dW.to(dt), tl.trans(bk), input_precision=PREC)
+        kkt += tl.dot(kk, tl.trans(kk), input_precision=PREC)
+
+    # dA in fp32 products: it feeds every key gradient through the decay-weighted K K^T
+    low = (o64[:, None] > o64[None, :]) & m[:, None] & m[None, :]
+    dA = -tl.dot(tl.dot(tl.trans(tt), dT, input_precision=PREC), tl.trans(tt), input_precision=PREC)
+    dA = tl.where(low, dA, 0.0)
+    G = dA * decay(gg, gg, low)          # dL / d(beta_t k_t.k_s) for t > s
+    db += tl.sum(G * kkt, 1)
+    G = G * bt[:, None]                  # dL / d(k_t.k_s)
+    M = G * kkt
+    dgam += tl.sum(M, 1) - tl.sum(M, 0)
+    Gd = G.to(dt)
+
+    for ik in tl.static_range(0, K, BK):
+        ck = ik + tl.arange(0, BK)
+        kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        dW = tl.load(dw + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
+        dBk = tl.dot(tl.trans(tt.to(dt)), dW.to(dt), input_precision=PREC)
+        kf = kk.to(tl.float32)
+        part = tl.load(dkp + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
+        part += dBk * (bt * gam)[:, None]
+        part += tl.dot(Gd, kk, input_precision=PREC) + tl.dot(tl.trans(Gd), kk, input_precision=PREC)
+        tl.store(dk + tok[:, None] * K + ck[None, :], part, mask=m[:, None])
+        s = tl.sum(dBk * kf, 1)
+        db += s * gam
+        dgam += s * gam * bt
+
+    for i in tl.static_range(NK):
+        dgam += tl.load(dgp + i * (tl.num_programs(1) // HV) * T * HV + tok, mask=m, other=0.0)
+    dgam = tl.where(m, dgam, 0.0)
+    # dg_t = sum_{s >= t} dgamma_s within the chunk
+    rc = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
+    tl.store(dg + tok, rc, mask=m)
+    tl.store(dbeta + tok, db, mask=m)
+
+
+def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens, chunk_indices):
+    """Returns dk (per value head, fp32: dkp itself, the WY terms added in place), dv (v's dtype), and
+    dbeta, dg (fp32, w.r.t. the kernels' inputs: before the options' prologue is undone)."""
+    B, _, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    # narrow blocks and 8 warps: five 64x64 fp32 tiles are live here
+    BK = min(32, K)
+    BV = min(32, triton.next_power_of_2(V))
+    dev = k.device
+    alloc = torch.zeros if cu_seqlens is not None else torch.empty
+    dk = dkp  # each program reads its tile of the partial before writing the sum there
+    dv = alloc(v.shape, device=dev, dtype=v.dtype)
+    dbeta = alloc(B, T, HV, device=dev, dtype=torch.float32)
+    dg = alloc(B, T, HV, device=dev, dtype=torch.float32)
+    backward_wy_kernel[(grid_t, B * HV)](
+        k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,
+        PREC=dot_precision(k.dtype), num_warps=8)
+    return dk, dv, dbeta, dg

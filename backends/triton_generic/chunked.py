@@ -1,0 +1,255 @@
+"""The chunked forward and backward: the options' prologue, then the kernels in order.
+
+Forward: intra_chunk (cumsum + K K^T + solve + W/U') -> state_pass (fused with the output when the
+state pass alone fills the GPU, else it writes per-chunk states and output.py runs over all chunks).
+With few long sequences the state pass runs context parallel (context_parallel.py).
+Backward recomputes W, U', T and the per-chunk states from the saved inputs (nothing chunk-sized is
+kept between forward and backward), then: backward_state (reverse pass, context parallel like the
+forward) -> backward_chunk -> backward_wy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import torch
+import triton
+
+from gdnkit import prep
+from gdnkit.problem import GDNGrads, GDNInputs, Problem
+
+from . import context_parallel, prologue
+from ._common import CHUNK, dot_precision
+from .backward_chunk import backward_chunk
+from .backward_state import backward_state, local_du
+from .backward_wy import backward_wy
+from .intra_chunk import intra_chunk
+from .output import output
+from .context_parallel import Segments
+from .state_pass import state_pass
+
+# "auto" | "always" | "never": whether the forward computes the output inside the state pass.
+FUSE_OUTPUT = "auto"
+# Pretend this many SMs (tests drive the narrow-block path on CPU); None: ask the device.
+SM_COUNT = None
+
+
+@dataclasses.dataclass
+class Saved:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    gcum: torch.Tensor
+    beta: torch.Tensor
+    h0: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    index: Index
+    stash: dict
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    dtypes: dict
+
+
+@dataclasses.dataclass
+class Index:
+    """Where the chunks are: per-chunk grid size, (sequence, chunk) table and per-sequence chunk offsets."""
+    grid_t: int
+    n_chunks: int
+    chunk_indices: torch.Tensor | None
+    chunk_offsets: torch.Tensor | None
+
+
+def make_index(B: int, T: int, cu_seqlens: torch.Tensor | None) -> Index:
+    if cu_seqlens is None:
+        nt = triton.cdiv(T, CHUNK)
+        return Index(nt, B * nt, None, None)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    counts = (lengths + CHUNK - 1) // CHUNK
+    offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    table = prep.chunk_indices(cu_seqlens, CHUNK).to(torch.int32).contiguous()
+    return Index(table.shape[0], table.shape[0], table, offsets)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Launch settings of the sequential passes, for tuning from benchmarks.
+# Picked from register use of the sm90 builds (cuobjdump): at 4 warps or 2+ stages every sequential
+# kernel spills; 8 warps and 1 stage keep the unfused state pass spill-free at K = 128.
+STATE_WARPS = 8          # state pass alone / backward reverse pass
+FUSED_WARPS = 8          # state pass with the output fused in
+STATE_STAGES = 1
+# Context parallelism: None = decide from the SM count, 0 = off, n = segments of n chunks (tests).
+CP_SEGMENT_CHUNKS = None
+CP_MIN_SEGMENT_CHUNKS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    fuse_output: bool
+    block_v: int
+    segments: Segments | None  # context parallelism: the sequences cut into segments, else None
+
+
+def _widest(K: int, V: int) -> int:
+    return min(32 if K > 128 else 64, triton.next_power_of_2(V))
+
+
+def _segment_chunks(problem: Problem, cu_seqlens, sms: int) -> int | None:
+    if CP_SEGMENT_CHUNKS is not None:
+        return CP_SEGMENT_CHUNKS or None
+    programs = problem.N * problem.HV * triton.cdiv(problem.V, _widest(problem.K, problem.V))
+    # the segment scan holds P [K, K] in fp32 on chip: fine to K = 128, too big at 256
+    if sms == 0 or 2 * programs > sms or problem.K > 128:
+        return None
+    if cu_seqlens is None:
+        longest = triton.cdiv(problem.T, CHUNK)
+    else:  # varlen already reads its offsets on the host; few sequences here, so this is cheap
+        offsets = cu_seqlens.tolist()
+        longest = max(triton.cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
+    per_sequence = triton.cdiv(2 * sms, programs)
+    seg = max(CP_MIN_SEGMENT_CHUNKS, triton.cdiv(longest, per_sequence))
+    return seg if seg < longest else None
+
+
+def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = True) -> Plan:
+    """How the sequential passes run: context parallel or not, V block width, output fused or not.
+
+    Their programs (sequence or segment x value head x V block) each walk a whole sequence (segment).
+    Few of them: cut sequences into segments (context_parallel.py). Still fewer than SMs: narrower V
+    blocks buy parallelism (each re-reads its chunk's W and K, from L2). Fusing the output serialises its
+    work behind the recurrence; it pays only once the programs about cover the SMs at the widest block."""
+    widest = _widest(problem.K, problem.V)
+    sms = SM_COUNT if SM_COUNT is not None else (_sm_count(device.index or 0) if device.type == "cuda" else 0)
+    seg = _segment_chunks(problem, cu_seqlens, sms)
+    segments = None
+    if seg:
+        segments = (context_parallel.fixed_segments(problem.B, problem.T, seg, device) if cu_seqlens is None
+                    else context_parallel.varlen_segments(cu_seqlens, seg))
+    n = segments.n_seg if segments is not None else problem.N
+    programs = lambda bv: n * problem.HV * triton.cdiv(problem.V, bv)  # noqa: E731
+    if not fusable:
+        fuse = False
+    elif FUSE_OUTPUT != "auto":
+        fuse = FUSE_OUTPUT == "always"
+    else:
+        fuse = 4 * programs(widest) >= 3 * sms and problem.dtype != torch.float32
+    bv = widest
+    if problem.dtype == torch.float32 and device.type == "cuda":
+        # fp32 tiles double the shared memory: 16-wide blocks stay under Ada's ~99 KB per block
+        bv = 16
+    if not fuse:
+        while bv > 16 and programs(bv) < sms:
+            bv //= 2
+    return Plan(fuse, bv, segments)
+
+
+def _states(problem: Problem, p: Plan, q, k, w, u, gcum, h0, T, cu, index: Index, store: bool, want_ht: bool):
+    """The forward's sequential part. Returns (o if fused, h, U, final state, [E | P] per segment or None)."""
+    K, V, N, HV = problem.K, problem.V, problem.N, problem.HV
+    warps = FUSED_WARPS if p.fuse_output else STATE_WARPS
+    flags = dict(fuse_output=p.fuse_output, store_h=store, store_vnew=store, BV=p.block_v, num_warps=warps,
+                 num_stages=STATE_STAGES)
+    if p.segments is None:
+        o, h, vnew, ht = state_pass(q, k, w, u, gcum, problem.scale, h0, T, N, cu, index.chunk_offsets,
+                                    index.n_chunks, problem.state_v_first, want_ht, **flags)
+        return o, h, vnew, ht, None
+    sg = p.segments
+    aug_bv = 16 if k.dtype == torch.float32 else _widest(K, V + K)
+    aug = state_pass(q, k, w, u, gcum, problem.scale, None, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
+                     index.n_chunks, False, False, fuse_output=False, store_h=False, store_vnew=False,
+                     BV=aug_bv, num_warps=STATE_WARPS, num_stages=STATE_STAGES, propagator=True)[3]
+    s0, ht = context_parallel.segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, problem.state_v_first, want_ht,
+                                           dot_precision(k.dtype))
+    o, h, vnew, _ = state_pass(q, k, w, u, gcum, problem.scale, s0, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
+                               index.n_chunks, False, False, **flags)
+    return o, h, vnew, ht, aug
+
+
+def forward(problem: Problem, inputs: GDNInputs):
+    q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
+    dtypes = dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype,
+                  h0=None if h0 is None else h0.dtype,
+                  A_log=None if A_log is None else A_log.dtype, dt_bias=None if dt_bias is None else dt_bias.dtype)
+    q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if h0 is not None:
+        h0 = h0.float().contiguous()
+    B, T = q.shape[0], q.shape[1]
+    index = make_index(B, T, cu)
+    if index.n_chunks == 0:
+        o = v.new_zeros(v.shape)
+        ht = None
+        if problem.output_final_state:
+            ht = h0.clone() if h0 is not None else torch.zeros(problem.state_shape, device=v.device,
+                                                               dtype=torch.float32)
+        gcum = torch.zeros(g.shape, device=g.device, dtype=torch.float32)
+    else:
+        gcum, tmat, w, u = intra_chunk(k, v, g, beta, T, index.grid_t, cu, index.chunk_indices)
+        del tmat
+        p = plan(problem, cu, v.device)
+        o, h, vnew, ht, _ = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=not p.fuse_output,
+                                    want_ht=problem.output_final_state)
+        if not p.fuse_output:
+            o = output(q, k, vnew, h, gcum, problem.scale, T, index.grid_t, cu, index.chunk_indices)
+    saved = None
+    if problem.needs_grad:
+        saved = Saved(q, k, v, gcum, beta, h0, cu, index, stash, A_log, dt_bias, dtypes)
+    return o, ht, saved
+
+
+def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
+    q, k, v, gcum, beta, h0, cu, index = (saved.q, saved.k, saved.v, saved.gcum, saved.beta, saved.h0,
+                                          saved.cu_seqlens, saved.index)
+    B, T, H, K = q.shape
+    HV, V, N = problem.HV, problem.V, problem.N
+    do = do.to(v.dtype).contiguous()
+    if dht is not None:
+        dht = dht.float().contiguous()
+    if index.n_chunks == 0:
+        dq = torch.zeros(B, T, H, K, device=q.device, dtype=torch.float32)
+        dk = torch.zeros_like(dq)
+        dv = torch.zeros_like(v)
+        dg = torch.zeros(B, T, HV, device=q.device, dtype=torch.float32)
+        dbeta = torch.zeros_like(dg)
+        dh0 = None
+        if problem.has_initial_state:
+            dh0 = dht.clone() if dht is not None else torch.zeros(problem.state_shape, device=q.device)
+    else:
+        _, tmat, w, u = intra_chunk(k, v, None, beta, T, index.grid_t, cu, index.chunk_indices, gcum=gcum)
+        p = plan(problem, cu, v.device, fusable=False)
+        _, h, vnew, _, aug = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=True, want_ht=False)
+        del u
+        flags = dict(BV=p.block_v, num_warps=STATE_WARPS, num_stages=STATE_STAGES)
+        du = local_du(q, k, gcum, do, problem.scale, T, index.grid_t, cu, index.chunk_indices)
+        if p.segments is None:
+            dh, du, dh0 = backward_state(q, k, w, gcum, do, du, dht, problem.scale, T, N, cu, index.chunk_offsets,
+                                         index.n_chunks, problem.state_v_first, problem.has_initial_state, **flags)
+        else:
+            # the reverse pass in segments: dS0 = P^T dS_end + F per segment, F from a zero dS_end
+            sg = p.segments
+            _, _, f = backward_state(q, k, w, gcum, do, du, None, problem.scale, T, sg.n_seg, sg.cu_seqlens,
+                                     sg.chunk_offsets, index.n_chunks, False, True, store=False, **flags)
+            ds_end, dh0 = context_parallel.segment_scan(aug, dht, sg.seg_offsets, N, HV, K, V,
+                                                        problem.state_v_first, problem.has_initial_state,
+                                                        dot_precision(k.dtype), f=f)
+            dh, du, _ = backward_state(q, k, w, gcum, do, du, ds_end, problem.scale, T, sg.n_seg, sg.cu_seqlens,
+                                       sg.chunk_offsets, index.n_chunks, False, False, **flags)
+        del w
+        dq, dkp, dw, dgp = backward_chunk(q, k, vnew, h, dh, gcum, do, du, problem.scale, T, index.grid_t, cu,
+                                          index.chunk_indices)
+        del h, dh, vnew
+        dk, dv, dbeta, dg = backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, index.grid_t, cu,
+                                        index.chunk_indices)
+        if HV != H:
+            dq = dq.view(B, T, H, HV // H, K).sum(3)
+            dk = dk.view(B, T, H, HV // H, K).sum(3)
+    dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, saved.stash, dq, dk, dg, dbeta,
+                                                           saved.A_log, saved.dt_bias)
+    t = saved.dtypes
+    return GDNGrads(
+        dq=dq.to(t["q"]), dk=dk.to(t["k"]), dv=dv.to(t["v"]), dg=dg.to(t["g"]), dbeta=dbeta.to(t["beta"]),
+        dinitial_state=None if dh0 is None else dh0.to(t["h0"]),
+        dA_log=None if dA_log is None else dA_log.to(t["A_log"]),
+        ddt_bias=None if ddt_bias is None else ddt_bias.to(t["dt_bias"]))

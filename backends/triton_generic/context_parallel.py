@@ -1,0 +1,115 @@
+"""Context parallelism inside one GPU for few, long sequences (ALGORITHM.md section 4, the exact form).
+
+The state pass runs one program per (sequence, value head, V block) down a whole sequence; with few heads
+that leaves most SMs idle. Cut every sequence into segments of whole chunks:
+  1. every segment, in parallel, from a zero state: S_end = P S0 + E, with E [K, V] and the transition
+     P [K, K] from the same kernel (state_pass propagator mode: K extra identity columns with U' = 0);
+  2. per sequence, a short scan over its segments: S0 of segment j+1 = P_j S0_j + E_j (this module);
+  3. every segment, in parallel, the ordinary state pass (+ output) from its true S0.
+Segments are pseudo-sequences for the varlen code path: (cu_seqlens, chunk_offsets) over segments.
+Chunk boundaries do not move, so the chunk-local gate cumsum, W and U' are shared by all passes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import CHUNK
+
+
+@triton.jit
+def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                        STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr):
+    """Forward: S0_{j+1} = P_j S0_j + E_j, storing every S0_j. REVERSE (the backward's dS): walking
+    segments last to first, dS_end_{j-1} = P_j^T dS_end_j + F_j, storing every dS_end_j."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
+    s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
+    if STATE_V_FIRST:
+        s_off = cv[None, :] * K + ck[:, None]
+    else:
+        s_off = ck[:, None] * V + cv[None, :]
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0)
+    for j in range(s_end - s_begin):
+        if REVERSE:
+            s = s_end - 1 - j
+        else:
+            s = s_begin + j
+        tl.store(s0 + (s * HV + i_h) * K * V + ck[:, None] * V + cv[None, :], S, mask=mv[None, :])
+        ab = aug + (s * HV + i_h) * K * (V + K)
+        if REVERSE:
+            E = tl.load(f + (s * HV + i_h) * K * V + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+            P = tl.load(ab + ck[None, :] * (V + K) + V + ck[:, None])
+        else:
+            E = tl.load(ab + ck[:, None] * (V + K) + cv[None, :], mask=mv[None, :], other=0.0)
+            P = tl.load(ab + ck[:, None] * (V + K) + V + ck[None, :])
+        S = tl.dot(P, S, input_precision=PREC) + E
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
+
+
+def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_state, prec, f=None):
+    """Returns (S0 of every segment [n_seg, HV, K, V] fp32, the sequences' final states or None).
+
+    With f (the segments' dS0 from a zero terminal gradient) it runs the backward's reverse scan instead:
+    h0 is dht, the first return the true dS_end of every segment, the second dh0."""
+    n_seg = aug.shape[0]
+    s0 = torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
+    # P [K, K] fp32 goes through shared memory: narrow S blocks and one stage keep it at ~80 KB (sm86/89 fit)
+    BV = min(16, triton.next_power_of_2(V))
+    segment_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+        aug, f, h0, s0, ht, seg_offsets, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
+        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None, num_warps=4,
+        num_stages=1)
+    return s0, ht
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    n_seg: int
+    cu_seqlens: torch.Tensor      # [n_seg + 1] token offsets of the segments (pseudo-sequences)
+    chunk_offsets: torch.Tensor   # [n_seg] global index of each segment's first chunk
+    seg_offsets: torch.Tensor     # [N + 1] first segment of every real sequence
+
+
+def _build(lengths: list[int], starts: list[int], seg_chunks: int, device) -> Segments:
+    # Sequences are packed back to back, so segments are too: segment i ends where i+1 starts, and the
+    # starts plus the last end form an ordinary cu_seqlens over the segments.
+    cu, chunk_off, seg_off = [], [], [0]
+    chunk = 0
+    for start, length in zip(starts, lengths):
+        n_chunks = -(-length // CHUNK)
+        for j in range(0, n_chunks, seg_chunks):
+            cu.append(start + j * CHUNK)
+            chunk_off.append(chunk + j)
+        chunk += n_chunks
+        seg_off.append(len(chunk_off))
+    cu.append(starts[-1] + lengths[-1] if starts else 0)
+    return Segments(len(chunk_off), torch.tensor(cu, dtype=torch.int32, device=device),
+                    torch.tensor(chunk_off, dtype=torch.int32, device=device),
+                    torch.tensor(seg_off, dtype=torch.int32, device=device))
+
+
+@functools.lru_cache(maxsize=64)
+def fixed_segments(B: int, T: int, seg_chunks: int, device: torch.device) -> Segments:
+    """Cached per shape so a fixed-length call builds no table (and syncs nothing) after the first."""
+    return _build([T] * B, [b * T for b in range(B)], seg_chunks, device)
+
+
+def varlen_segments(cu_seqlens: torch.Tensor, seg_chunks: int) -> Segments:
+    offsets = cu_seqlens.tolist()
+    return _build([e - s for s, e in zip(offsets[:-1], offsets[1:])], offsets[:-1], seg_chunks,
+                  cu_seqlens.device)

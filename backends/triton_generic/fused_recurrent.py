@@ -1,0 +1,251 @@
+"""The gated delta rule token by token in Triton: decode, multi-token verify and the serving state pool.
+
+One program per (sequence, value head, V tile) keeps its K x BV slice of the state in registers in fp32
+and walks that sequence's tokens, so the state crosses HBM once in and once out (plus one write per
+kept intermediate state). At one token per sequence the kernel is a copy of the state with a few hundred
+FLOPs on the side: the launch settings below are chosen for wide, coalesced state loads and stores.
+
+Where states come from and go to (decided by the validated Problem; see gdnkit/problem.py):
+  - plain call: initial_state [N, ...] row n in, a new fp32 final state [N, ...] out;
+  - serving (`ssm_state_indices`): initial_state is a pool [num_slots, ...] (fp32/bf16/fp16, any slot
+    stride, inner dims contiguous). 1-D indices [N]: sequence n reads and (inplace) writes slot idx[n].
+    2-D indices [N, C]: sequence n reads slot idx[n, num_accepted_tokens[n] - 1] (idx[n, 0] without
+    it) and writes the state after its token t to slot idx[n, t]. A read slot of -1 marks a padding
+    sequence: no state memory is touched and its outputs are 0; a write slot of -1 skips that write.
+No host sync and no allocation besides o (and the final state when one is returned): CUDA-graph
+capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdnkit.problem import GDNInputs, Problem
+
+# State read: none (zeros), row n of a dense [N, ...] tensor, or a pool slot looked up in the indices.
+READ_NONE, READ_DENSE, READ_SLOT = 0, 1, 2
+# State write: none, dense final [N, ...], pool slot of the sequence (final), pool slot per token.
+WRITE_NONE, WRITE_DENSE, WRITE_SLOT_FINAL, WRITE_SLOT_PER_TOKEN = 0, 1, 2, 3
+
+
+@triton.jit
+def _softplus(x):
+    # torch's threshold: beyond 20, softplus(x) == x in fp32
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, slots, num_accepted,
+    scale, T, T_total, N, stride_h0_slot, stride_ht_slot, stride_slots_seq, SLOT_COLS,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, READ: tl.constexpr, WRITE: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
+    QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, V_FIRST: tl.constexpr,
+):
+    NV = tl.cdiv(V, BV)
+    pid = tl.program_id(0).to(tl.int64)
+    # V tiles of one (sequence, head) are adjacent programs: they share q/k in L2
+    i_v = pid % NV
+    i_nh = pid // NV
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+    seq_len = eos - bos
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    if V_FIRST:
+        offs_h = o_v[:, None] * K + o_k[None, :]
+        mask_h = mask_v[:, None] & mask_k[None, :]
+    else:
+        offs_h = o_k[:, None] * V + o_v[None, :]
+        mask_h = mask_k[:, None] & mask_v[None, :]
+    state_base = i_hv * (K * V)
+
+    # A padding sequence (read slot -1) touches no state memory. The flag is kept as full tiles because
+    # the interpreter rejects a scalar bool broadcast into a load mask.
+    read_slot = i_n * 0
+    if READ == 2:
+        col = 0
+        if HAS_ACCEPTED:
+            col = tl.load(num_accepted + i_n).to(tl.int64) - 1
+            col = tl.minimum(tl.maximum(col, 0), SLOT_COLS - 1)
+        read_slot = tl.load(slots + i_n * stride_slots_seq + col).to(tl.int64)
+    live_h = mask_h & ((offs_h * 0 + read_slot) >= 0)
+    live_v = (o_v * 0 + read_slot) >= 0
+    if READ == 2:
+        p_h0 = h0 + tl.maximum(read_slot, 0) * stride_h0_slot + state_base + offs_h
+        b_h = tl.load(p_h0, mask=live_h, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    elif READ == 1:
+        p_h0 = h0 + i_nh * (K * V) + offs_h
+        b_h = tl.load(p_h0, mask=mask_h, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        if V_FIRST:
+            b_h = tl.zeros([BV, BK], dtype=tl.float32)
+        else:
+            b_h = tl.zeros([BK, BV], dtype=tl.float32)
+
+    if GATE_IN_KERNEL:
+        b_A = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_g = g + bos * HV + i_hv
+    p_beta = beta + bos * HV + i_hv
+    p_o = o + (bos * HV + i_hv) * V + o_v
+    for i_t in range(0, seq_len):
+        b_q = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_g = tl.load(p_g).to(tl.float32)
+        b_beta = tl.load(p_beta).to(tl.float32)
+        if QK_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * scale
+        if GATE_IN_KERNEL:
+            if HAS_DT_BIAS:
+                b_g = b_g + b_bias
+            b_g = -b_A * _softplus(b_g)
+        if BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
+            if NEG_EIGVAL:
+                b_beta = b_beta * 2.0
+
+        b_h = b_h * tl.exp(b_g)
+        if V_FIRST:
+            b_u = b_beta * (b_v - tl.sum(b_h * b_k[None, :], 1))
+            b_h = b_h + b_u[:, None] * b_k[None, :]
+            b_o = tl.sum(b_h * b_q[None, :], 1)
+        else:
+            b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+            b_h = b_h + b_k[:, None] * b_u[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], 0)
+        b_o = tl.where(live_v, b_o, 0.0)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
+
+        if WRITE == 3:
+            # intermediate states for rollback; a column past the index tensor is never written
+            slot_t = tl.load(slots + i_n * stride_slots_seq + i_t, mask=i_t < SLOT_COLS, other=-1).to(tl.int64)
+            p_ht = ht + tl.maximum(slot_t, 0) * stride_ht_slot + state_base + offs_h
+            tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=live_h & ((offs_h * 0 + slot_t) >= 0),
+                     eviction_policy="evict_first")
+
+        p_q += H * K
+        p_k += H * K
+        p_v += HV * V
+        p_g += HV
+        p_beta += HV
+        p_o += HV * V
+
+    if WRITE == 2:
+        p_ht = ht + tl.maximum(read_slot, 0) * stride_ht_slot + state_base + offs_h
+        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=live_h, eviction_policy="evict_first")
+    elif WRITE == 1:
+        # a padding sequence gets a zero row, so the returned tensor holds no garbage
+        p_ht = ht + i_nh * (K * V) + offs_h
+        b_h = tl.where(live_h, b_h, 0.0)
+        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=mask_h, eviction_policy="evict_first")
+
+    if IS_VARLEN:
+        # tokens past cu_seqlens[-1] belong to no sequence: the last sequence's programs zero them here
+        # rather than a separate memset (one launch fewer per decode step)
+        tail_end = tl.where(i_n == N - 1, T_total, eos)
+        p_tail = o + (eos * HV + i_hv) * V + o_v
+        for _ in range(eos, tail_end):
+            tl.store(p_tail, tl.zeros([BV], dtype=tl.float32).to(p_tail.dtype.element_ty), mask=mask_v)
+            p_tail += HV * V
+
+
+def launch_config(K: int, V: int, n_heads_total: int) -> tuple[int, int]:
+    """(BV, num_warps) for a K x V state and N*HV (sequence, head) pairs.
+
+    Measured on the H200 (2026-11-29, benchmarks/JOURNAL.md, K = V = 128): a 128 x 64 fp32 tile over 4
+    warps (64 state registers a thread, 16-byte row loads) moved the state at 3.77-3.93 TB/s where
+    128 x 32 reached 3.65-3.75; 1 warp per 128 x 16 tile was fastest at B=1 (4.2 us), where only the
+    spread over SMs matters. Small batches go narrower until ~512 programs cover the 132 SMs.
+    """
+    BK = triton.next_power_of_2(K)
+    BV = max(8, min(triton.next_power_of_2(V), 8192 // BK))
+    while BV > 8 and n_heads_total * triton.cdiv(V, BV) < 512:
+        BV //= 2
+    num_warps = 4 if BK * BV >= 8192 else (2 if BK * BV >= 4096 else 1)
+    return BV, num_warps
+
+
+def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int | None = None,
+                            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(o, final_state) of a validated recurrent call, plain or serving.
+
+    `inputs` is the GDNInputs of a plain call or the GDNServingInputs of a serving one (ssm_state_indices,
+    num_accepted_tokens); `problem` says which. Returns o in v's dtype and: the pool itself (updated in
+    place) when problem.inplace_final_state, else a new fp32 [N, ...] final state when
+    problem.output_final_state, else None. block_v / num_warps override the launch settings (benchmarks).
+    """
+    q, k, v, g, beta = (t.contiguous() for t in inputs[:5])
+    h0, A_log, dt_bias, cu = inputs.initial_state, inputs.A_log, inputs.dt_bias, inputs.cu_seqlens
+    slots = getattr(inputs, "ssm_state_indices", None)
+    accepted = getattr(inputs, "num_accepted_tokens", None)
+    N, HV, K, V = problem.N, problem.HV, problem.K, problem.V
+    B, T = q.shape[0], q.shape[1]
+
+    o = torch.empty_like(v)
+    ht = None
+    if problem.serving:
+        read = READ_SLOT
+        slots = slots.contiguous()
+        if problem.inplace_final_state:
+            write = WRITE_SLOT_PER_TOKEN if problem.per_token_slots else WRITE_SLOT_FINAL
+            ht = h0
+        elif problem.output_final_state:
+            write = WRITE_DENSE
+            ht = torch.empty(problem.state_shape, device=v.device, dtype=torch.float32)
+        else:
+            write = WRITE_NONE
+    else:
+        if h0 is not None:
+            h0 = h0.float().contiguous()
+        read = READ_DENSE if h0 is not None else READ_NONE
+        write = WRITE_DENSE if problem.output_final_state else WRITE_NONE
+        if write:
+            ht = torch.empty(problem.state_shape, device=v.device, dtype=torch.float32)
+
+    BV, warps = launch_config(K, V, N * HV)
+    BV = block_v or BV
+    warps = num_warps or warps
+    grid = N * HV * triton.cdiv(V, BV)
+    if grid == 0:
+        return o, ht
+    dummy = o  # never dereferenced: the constexpr flags compile its uses away
+    _gdn_recurrent_kernel[(grid,)](
+        q, k, v, g, beta,
+        A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+        o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        cu if cu is not None else dummy, slots if slots is not None else dummy,
+        accepted.contiguous() if accepted is not None else dummy,
+        problem.scale, T, B * T, N,
+        h0.stride(0) if problem.serving else 0, ht.stride(0) if write in (2, 3) else 0,
+        slots.stride(0) if slots is not None else 0, slots.shape[1] if slots is not None and slots.dim() == 2 else 1,
+        H=problem.H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        IS_VARLEN=cu is not None, READ=read, WRITE=write, HAS_ACCEPTED=accepted is not None,
+        QK_L2NORM=problem.use_qk_l2norm_in_kernel, GATE_IN_KERNEL=problem.use_gate_in_kernel,
+        HAS_DT_BIAS=problem.has_dt_bias, BETA_SIGMOID=problem.use_beta_sigmoid_in_kernel,
+        NEG_EIGVAL=problem.allow_neg_eigval, V_FIRST=problem.state_v_first,
+        num_warps=warps, num_stages=1,
+    )
+    return o, ht

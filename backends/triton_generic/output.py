@@ -1,0 +1,65 @@
+"""O = scale (diag(Gamma) Q S0 + (Q K^T (.) D_incl) U) per chunk, in parallel over chunks, from the
+per-chunk states written by the state pass (the unfused path, for when the state pass alone cannot fill
+the GPU)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import decay, dot_precision, seq_bounds
+
+
+@triton.jit(do_not_specialize=["T"])
+def output_kernel(q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_v, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    if IS_VARLEN:
+        i_c = pid_t.to(tl.int64)
+    else:
+        i_c = i_b.to(tl.int64) * tl.cdiv(T, 64) + pid_t
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+    o64 = tl.arange(0, 64)
+    r = i_t * 64 + o64
+    m = r < L
+    cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
+    qb = q + bos * H * K + i_hk * K
+    kb = k + bos * H * K + i_hk * K
+    hb = h + (i_c * HV + i_h) * K * V
+
+    acc = tl.zeros([64, BV], dtype=tl.float32)
+    qk = tl.zeros([64, 64], dtype=tl.float32)
+    for ik in tl.static_range(0, K, BK):
+        ck = ik + tl.arange(0, BK)
+        qq = tl.load(qb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        hh = tl.load(hb + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        acc += tl.dot(qq, hh.to(dt), input_precision=PREC)
+        qk += tl.dot(qq, tl.trans(kk), input_precision=PREC)
+    gg = tl.load(gcum + (bos + r) * HV + i_h, mask=m, other=0.0)
+    acc *= tl.exp2(gg)[:, None]
+    qk *= decay(gg, gg, (o64[:, None] >= o64[None, :]) & m[:, None] & m[None, :])
+    vn = tl.load(vnew + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :],
+                 other=0.0)
+    acc += tl.dot(qk.to(dt), vn, input_precision=PREC)
+    tl.store(o + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], (acc * scale).to(dt),
+             mask=m[:, None] & mv[None, :])
+
+
+def output(q, k, vnew, h, gcum, scale, T, grid_t, cu_seqlens, chunk_indices):
+    B, _, H, K = q.shape
+    HV, V = vnew.shape[2], vnew.shape[3]
+    BK = min(64, K)
+    BV = min(64, triton.next_power_of_2(V))
+    # varlen offsets may end before T; tokens past the end get zeros
+    o = torch.zeros_like(vnew) if cu_seqlens is not None else torch.empty_like(vnew)
+    output_kernel[(triton.cdiv(V, BV), grid_t, B * HV)](
+        q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
+        num_warps=8)
+    return o

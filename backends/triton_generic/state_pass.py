@@ -1,0 +1,118 @@
+"""The sequential pass over chunks (ALGORITHM.md section 2): per (sequence, value head, V block) the state
+S [K, BV] stays in fp32 registers from the first chunk to the last.
+
+Per chunk: U = U' - W S0, S_end = Gamma_C S0 + Kt^T U. With FUSE_OUTPUT the chunk's output
+O = scale (Gamma Q S0 + (Q K^T (.) D_incl) U) is formed here too, so neither the per-chunk states nor U
+go to memory; otherwise the states (STORE_H) and U are written for output.py / the backward.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import decay, dot_precision
+
+
+@triton.jit(do_not_specialize=["T"])
+def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                      STATE_V_FIRST: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
+                      FUSE_OUTPUT: tl.constexpr, PROPAGATOR: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        L = T.to(tl.int64) + 0 * bos
+        boh = i_n.to(tl.int64) * tl.cdiv(T, 64)
+    NT = tl.cdiv(L, 64)
+    i_hk = i_h // (HV // H)
+    dt = k.dtype.element_ty
+
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
+    if STATE_V_FIRST:
+        s_off = cv[None, :] * K + ck[:, None]
+    else:
+        s_off = ck[:, None] * V + cv[None, :]
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    if PROPAGATOR:
+        # columns V..V+K-1 carry the identity with U' = 0: they evolve into the segment's transition
+        # matrix P (S_end = P S0 + E), the first V columns from S0 = 0 into E
+        S += (ck[:, None] == (cv - V)[None, :]).to(tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0).to(tl.float32)
+
+    o64 = tl.arange(0, 64)
+    qb = q + bos * H * K + i_hk * K
+    kb = k + bos * H * K + i_hk * K
+    wb = w + (bos * HV + i_h) * K
+    ub = u + (bos * HV + i_h) * V
+    cb = gcum + bos * HV + i_h
+    for it in range(NT):
+        r = it * 64 + o64.to(tl.int64)
+        m = r < L
+        if STORE_H:
+            hb = h + ((boh + it) * HV + i_h) * K * V
+            tl.store(hb + ck[:, None] * V + cv[None, :], S.to(h.dtype.element_ty), mask=mv[None, :])
+        Sd = S.to(dt)
+        ww = tl.load(wb + r[:, None] * (HV * K) + ck[None, :], mask=m[:, None], other=0.0)
+        uu = tl.load(ub + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0)
+        un = uu.to(tl.float32) - tl.dot(ww, Sd, input_precision=PREC)
+        if STORE_VNEW:
+            tl.store(vnew + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], un.to(dt),
+                     mask=m[:, None] & mv[None, :])
+        gg = tl.load(cb + r * HV, mask=m, other=0.0)
+        g_last = tl.load(cb + (tl.minimum(it * 64 + 64, L) - 1) * HV)
+        kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        if FUSE_OUTPUT:
+            qq = tl.load(qb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+            qk = tl.dot(qq, tl.trans(kk), input_precision=PREC)
+            qk = qk * decay(gg, gg, (o64[:, None] >= o64[None, :]) & m[:, None] & m[None, :])
+            oo = tl.dot(qq, Sd, input_precision=PREC) * tl.exp2(gg)[:, None]
+            oo += tl.dot(qk.to(dt), un.to(dt), input_precision=PREC)
+            tl.store(o + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], (oo * scale).to(dt),
+                     mask=m[:, None] & mv[None, :])
+        kt = (kk.to(tl.float32) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)
+        S = S * tl.exp2(g_last) + tl.dot(tl.trans(kt), un.to(dt), input_precision=PREC)
+
+    if PROPAGATOR:
+        tl.store(ht + i_nh.to(tl.int64) * K * (V + K) + ck[:, None] * (V + K) + cv[None, :], S,
+                 mask=(cv < V + K)[None, :])
+    elif STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
+
+
+def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
+               output_final_state, fuse_output, store_h, store_vnew, BV, num_warps=4, num_stages=2,
+               propagator=False):
+    """Returns (o or None, h [n_chunks, HV, K, V] or None, U or None, final state or None).
+
+    propagator=True (a pass over segments of context parallelism): from a zero state, the final states
+    come back as [N, HV, K, V + K] = [E | P], S_end = P S0 + E; nothing else is written."""
+    B, _, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    dev = k.device
+    h = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store_h else None
+    vnew = torch.empty_like(u) if store_vnew else None
+    o = (torch.zeros_like(u) if cu_seqlens is not None else torch.empty_like(u)) if fuse_output else None
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = torch.empty(shape, device=dev, dtype=torch.float32) if output_final_state else None
+    columns = V
+    if propagator:
+        assert h0 is None and not (fuse_output or store_h or store_vnew)
+        ht = torch.empty(N, HV, K, V + K, device=dev, dtype=torch.float32)
+        columns = V + K
+    state_pass_kernel[(triton.cdiv(columns, BV), N * HV)](
+        q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
+        H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None,
+        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, STORE_H=store_h, STORE_VNEW=store_vnew,
+        FUSE_OUTPUT=fuse_output, PROPAGATOR=propagator, PREC=dot_precision(k.dtype), num_warps=num_warps,
+        num_stages=num_stages)
+    return o, h, vnew, ht

@@ -1,0 +1,254 @@
+"""triton_generic against the float64 reference.
+
+Without a GPU the kernels run in the Triton interpreter on CPU tensors (small shapes, fp32/fp16: the
+interpreter's bf16 tl.dot is broken), called through the backend's entry points since dispatch rightly
+declines CPU problems. With a GPU the same tests run on CUDA tensors, plus the `gpu` ones at the quick
+grid's head configs through the public API.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # before any triton kernel is defined: triton.jit reads it at decoration time
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import gdnkit  # noqa: E402
+from gdnkit import dispatch  # noqa: E402
+from gdnkit.backends.triton_generic import BACKEND  # noqa: E402
+from gdnkit.problem import CHUNK_MODE, validate_inputs  # noqa: E402
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GRADS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def rel(x, ref):
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def make_call(T, H, HV, K, V, *, lengths=None, seed=0, initial_state=True, raw=False, gate=False,
+              dt_bias=True, **options):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    N = 1 if lengths is None else len(lengths)
+    if lengths is not None:
+        B = 1
+    else:
+        B, N = options.pop("B", 1), None
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    if not options.get("use_qk_l2norm_in_kernel"):
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    g = rnd(B, T, HV) if gate else F.logsigmoid(rnd(B, T, HV))
+    beta = rnd(B, T, HV) if raw else torch.sigmoid(rnd(B, T, HV))
+    call = dict(q=q, k=k, v=rnd(B, T, HV, V), g=g, beta=beta, output_final_state=True, **options)
+    if initial_state:
+        shape = (N or B, HV, V, K) if options.get("state_v_first") else (N or B, HV, K, V)
+        call["initial_state"] = rnd(*shape) * 0.3
+    if gate:
+        call.update(use_gate_in_kernel=True, A_log=rnd(HV) * 0.5)
+        if dt_bias:
+            call["dt_bias"] = rnd(HV)
+    if lengths is not None:
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        call["cu_seqlens"] = offsets
+    return call
+
+
+def reference(call):
+    """o, final state and gradients by autograd through the float64 reference (public API)."""
+    leaves = {n: call[n].detach().clone().requires_grad_() for n in GRADS if call.get(n) is not None}
+    o, ht = gdnkit.chunk_gated_delta_rule(**{**call, **leaves}, backend="reference")
+    gen = torch.Generator().manual_seed(99)
+    do, dht = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
+    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+    return o.detach(), ht.detach(), dict(zip(leaves, grads)), do, dht
+
+
+def run_backend(call, dtype, do, dht, device=DEVICE, fuse="auto", sm_count=None, segment_chunks=None):
+    """The backend's entry points directly (dispatch declines CPU tensors)."""
+    from gdnkit.backends.triton_generic import chunked
+    cast = {n: (t.to(device=device, dtype=dtype if n in ("q", "k", "v") else torch.float32)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in call.items()}
+    if "cu_seqlens" in cast:
+        cast["cu_seqlens"] = cast["cu_seqlens"].to(device)
+    for n in GRADS:
+        if cast.get(n) is not None:
+            cast[n].requires_grad_()
+    problem, inputs = validate_inputs(CHUNK_MODE, **cast)
+    assert problem.needs_grad
+    old, chunked.FUSE_OUTPUT = chunked.FUSE_OUTPUT, fuse
+    old_sms, chunked.SM_COUNT = chunked.SM_COUNT, sm_count
+    old_cp, chunked.CP_SEGMENT_CHUNKS = chunked.CP_SEGMENT_CHUNKS, segment_chunks
+    try:
+        if segment_chunks:
+            segments = chunked.plan(problem, inputs.cu_seqlens, inputs.q.device).segments
+            assert (segments.seg_offsets[1:] - segments.seg_offsets[:-1]).max() > 1
+        o, ht, saved = BACKEND.chunk_forward(problem, inputs)
+        grads = BACKEND.chunk_backward(problem, saved, do.to(device=device, dtype=o.dtype), dht.to(device).float())
+    finally:
+        chunked.FUSE_OUTPUT, chunked.SM_COUNT, chunked.CP_SEGMENT_CHUNKS = old, old_sms, old_cp
+    names = dict(zip(GRADS, grads))
+    return o, ht, {n: names[n] for n in GRADS if call.get(n) is not None}
+
+
+def check(call, dtype=torch.float32, bound=None, fuse="auto", sm_count=None, segment_chunks=None):
+    # fp32: exact products in the interpreter, tf32x3 on a GPU
+    bound = bound or ((2e-5 if DEVICE == "cpu" else 1e-4) if dtype == torch.float32 else 3e-3)
+    o_ref, ht_ref, g_ref, do, dht = reference(call)
+    o, ht, grads = run_backend(call, dtype, do, dht, fuse=fuse, sm_count=sm_count, segment_chunks=segment_chunks)
+    errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
+    errs.update({f"d{n}": rel(grads[n], g_ref[n]) for n in g_ref})
+    bad = {n: e for n, e in errs.items() if not e < bound}
+    assert not bad, f"errors over {bound}: {bad} (all: {errs})"
+    return errs
+
+
+# K = V = 32 keeps the interpreter quick; the kernels are shape-generic over powers of two.
+@pytest.mark.parametrize("fuse", ["always", "never"])
+def test_fixed_length_with_state(fuse):
+    check(make_call(130, 1, 2, 32, 32, B=2), fuse=fuse)
+
+
+def test_gva_varlen_odd_and_empty_sequences():
+    check(make_call(200, 2, 4, 32, 32, lengths=[37, 0, 93, 1, 69]), fuse="never")
+
+
+def test_varlen_fused_no_initial_state():
+    check(make_call(193, 1, 3, 32, 32, lengths=[0, 64, 129], initial_state=False), fuse="always")
+
+
+def test_varlen_tokens_past_the_last_offset_get_zero():
+    call = make_call(150, 1, 2, 32, 32, lengths=[50, 70])
+    call = {n: (t[:, :150] if n in ("q", "k", "v", "g", "beta") else t) for n, t in call.items()}
+    o_ref, ht_ref, g_ref, do, dht = reference(call)
+    o, ht, grads = run_backend(call, torch.float32, do, dht)
+    assert rel(o, o_ref) < 2e-5 and rel(ht, ht_ref) < 2e-5
+    assert o[:, 120:].abs().max() == 0 and grads["v"][:, 120:].abs().max() == 0
+    assert grads["g"][:, 120:].abs().max() == 0 and grads["q"][:, 120:].abs().max() == 0
+
+
+def test_all_options():
+    check(make_call(150, 1, 2, 32, 32, raw=True, gate=True, use_qk_l2norm_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True))
+
+
+def test_gate_without_dt_bias_and_state_v_first():
+    check(make_call(90, 1, 2, 32, 64, gate=True, dt_bias=False, state_v_first=True))
+
+
+def test_k_and_v_differ_and_gva_fixed():
+    check(make_call(100, 1, 4, 64, 32), fuse="never")
+
+
+def test_narrow_v_blocks_when_few_programs():
+    # a huge SM count makes the plan split V into 16-wide blocks and leave the output unfused
+    check(make_call(100, 1, 2, 32, 64, B=1), sm_count=10 ** 6)
+
+
+@pytest.mark.parametrize("fuse", ["always", "never"])
+def test_context_parallel_fixed_length(fuse):
+    # segments of one chunk: every chunk boundary is a segment boundary (the forward's [E | P] pass,
+    # segment scan and per-segment pass, and the backward's reverse scan with P^T)
+    check(make_call(200, 1, 2, 32, 32, B=2), fuse=fuse, segment_chunks=1)
+
+
+def test_context_parallel_varlen_v_first():
+    check(make_call(300, 2, 4, 32, 64, lengths=[37, 0, 200, 63], state_v_first=True), segment_chunks=2)
+
+
+def test_fp16():
+    check(make_call(130, 1, 2, 32, 32), dtype=torch.float16)
+
+
+def test_all_sequences_empty():
+    call = make_call(5, 1, 2, 32, 32, lengths=[0, 0])
+    o_ref, ht_ref, _, do, dht = reference(call)
+    o, ht, grads = run_backend(call, torch.float32, do, dht)
+    assert o.abs().max() == 0 and rel(ht, ht_ref) < 1e-6  # h0 passed through, rounded to fp32
+    assert torch.equal(grads["initial_state"].cpu(), dht.float())
+
+
+# ---------------------------------------------------------------- what dispatch sees
+
+def _problem(device_type="cuda", dtype=torch.bfloat16, K=128, V=128, **kw):
+    base = dict(mode=CHUNK_MODE, B=1, T=64, H=2, HV=4, K=K, V=V, N=1, dtype=dtype, gate_dtype=torch.float32,
+                device_type=device_type, device_index=0, scale=K ** -0.5, varlen=False, has_initial_state=False,
+                state_dtype=None, output_final_state=False)
+    base.update(kw)
+    from gdnkit.problem import Problem
+    return Problem(**base)
+
+
+def _machine(capability=(8, 6), triton=True):
+    gpu = dispatch.GPU(index=0, name="Some GPU", capability=capability, sm_count=80, total_memory_bytes=1 << 34)
+    packages = {"triton": "3.6.0" if triton else None}
+    errors = {} if triton else {"triton": "ModuleNotFoundError: No module named 'triton'"}
+    return dispatch.Machine(gpus=(gpu,), packages=packages, import_errors=errors)
+
+
+def test_auto_dispatch_picks_triton_generic_on_a_cuda_gpu():
+    backend, decision = dispatch.select(_problem(needs_grad=True), machine=_machine())
+    assert decision.chosen in ("triton_generic",) or backend.priority > BACKEND.priority
+
+
+def test_reasons():
+    m = _machine()
+    assert BACKEND.reasons(_problem(), m) == []
+    assert any("CUDA" in r for r in BACKEND.reasons(_problem(device_type="cpu"), m))
+    assert "float64 runs on the reference" in BACKEND.reasons(_problem(dtype=torch.float64), m)
+    assert any("K=96" in r for r in BACKEND.reasons(_problem(K=96), m))
+    assert any("V=32" in r for r in BACKEND.reasons(_problem(V=32), m))
+    assert any("capability" in r for r in BACKEND.reasons(_problem(), _machine(capability=(7, 5))))
+    assert any("triton" in r for r in BACKEND.reasons(_problem(), _machine(triton=False)))
+    assert any("GPU" in r for r in BACKEND.unavailable_reasons(dispatch.Machine(packages={"triton": "3.9"})))
+
+
+# ---------------------------------------------------------------- on a GPU, through the public API
+
+QUICK_HEADS = [(2, 8), (4, 16), (8, 32), (16, 64)]
+
+
+def _public_errors(call):
+    o_ref, ht_ref, g_ref, do, dht = reference(call)
+    dev = {n: (t.to("cuda") if isinstance(t, torch.Tensor) else t) for n, t in call.items()}
+    dev.update({n: dev[n].to(torch.bfloat16) for n in ("q", "k", "v")})
+    dev.update({n: dev[n].float() for n in ("g", "beta", "initial_state", "A_log", "dt_bias") if n in dev})
+    leaves = {n: dev[n].detach().requires_grad_() for n in g_ref}
+    o, ht = gdnkit.chunk_gated_delta_rule(**{**dev, **leaves}, backend="triton_generic")
+    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do.cuda().to(o.dtype), dht.cuda().float()])
+    errs = {"o": rel(o.cpu(), o_ref), "ht": rel(ht.cpu(), ht_ref)}
+    errs.update({f"d{n}": rel(gr.cpu(), g_ref[n]) for n, gr in zip(leaves, grads)})
+    return errs
+
+
+def _assert_bounds(errs):
+    fwd = {n: e for n, e in errs.items() if n in ("o", "ht") and not e <= 5e-3}
+    grad = {n: e for n, e in errs.items() if n not in ("o", "ht") and not e <= 1e-2}
+    assert not fwd and not grad, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,HV", QUICK_HEADS)
+def test_gpu_quick_heads_bf16(H, HV):
+    _assert_bounds(_public_errors(make_call(520, H, HV, 128, 128, B=2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,HV", QUICK_HEADS)
+def test_gpu_quick_heads_varlen_bf16(H, HV):
+    _assert_bounds(_public_errors(make_call(sum([0, 1, 300, 64, 517]), H, HV, 128, 128,
+                                            lengths=[0, 1, 300, 64, 517])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 256])
+def test_gpu_options_bf16(K):
+    _assert_bounds(_public_errors(make_call(700, 2, 4, K, K, raw=True, gate=True, use_qk_l2norm_in_kernel=True,
+                                            use_beta_sigmoid_in_kernel=True, state_v_first=True)))
