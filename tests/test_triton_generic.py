@@ -194,8 +194,12 @@ def _machine(capability=(8, 6), triton=True):
 
 
 def test_auto_dispatch_picks_triton_generic_on_a_cuda_gpu():
-    backend, decision = dispatch.select(_problem(needs_grad=True), machine=_machine())
+    backend, decision = dispatch.select(_problem(), machine=_machine())
     assert decision.chosen in ("triton_generic",) or backend.priority > BACKEND.priority
+    # training stays on the reference until the backward is verified on a GPU (see BACKWARD_ON_GPU)
+    _, decision = dispatch.select(_problem(needs_grad=True), machine=_machine())
+    assert decision.chosen == "reference"
+    assert any("backward" in r for r in decision.reasons["triton_generic"])
 
 
 def test_reasons():
@@ -215,17 +219,22 @@ def test_reasons():
 QUICK_HEADS = [(2, 8), (4, 16), (8, 32), (16, 64)]
 
 
-def _public_errors(call):
-    o_ref, ht_ref, g_ref, do, dht = reference(call)
+def _public_forward_errors(call):
+    """Forward through the public API (inference: what auto dispatch sends to this backend today)."""
+    o_ref, ht_ref, _, _, _ = reference(call)
     dev = {n: (t.to("cuda") if isinstance(t, torch.Tensor) else t) for n, t in call.items()}
     dev.update({n: dev[n].to(torch.bfloat16) for n in ("q", "k", "v")})
     dev.update({n: dev[n].float() for n in ("g", "beta", "initial_state", "A_log", "dt_bias") if n in dev})
-    leaves = {n: dev[n].detach().requires_grad_() for n in g_ref}
-    o, ht = gdnkit.chunk_gated_delta_rule(**{**dev, **leaves}, backend="triton_generic")
-    grads = torch.autograd.grad([o, ht], list(leaves.values()), [do.cuda().to(o.dtype), dht.cuda().float()])
-    errs = {"o": rel(o.cpu(), o_ref), "ht": rel(ht.cpu(), ht_ref)}
-    errs.update({f"d{n}": rel(gr.cpu(), g_ref[n]) for n, gr in zip(leaves, grads)})
-    return errs
+    with torch.no_grad():
+        o, ht = gdnkit.chunk_gated_delta_rule(**dev, backend="triton_generic")
+    return {"o": rel(o.cpu(), o_ref), "ht": rel(ht.cpu(), ht_ref)}
+
+
+def _gradient_errors(call):
+    """Gradients through the backend's entry points (supports() declines training on a GPU for now)."""
+    _, _, g_ref, do, dht = reference(call)
+    _, _, grads = run_backend(call, torch.bfloat16, do, dht, device="cuda")
+    return {f"d{n}": rel(g.cpu(), g_ref[n]) for n, g in grads.items()}
 
 
 def _assert_bounds(errs):
@@ -234,21 +243,44 @@ def _assert_bounds(errs):
     assert not fwd and not grad, errs
 
 
+# The chunked backward passes the interpreter tests above but raised an illegal memory access on the
+# H200 (2026-11-29, benchmarks/JOURNAL.md), which poisons the CUDA context of every later test; until it
+# is fixed, supports() declines training and its GPU check stays off.
+BACKWARD_ON_GPU = pytest.mark.skip(reason="backward: illegal memory access on the H200 (2026-11-29), "
+                                          "declined by supports() until fixed")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HV", QUICK_HEADS)
 def test_gpu_quick_heads_bf16(H, HV):
-    _assert_bounds(_public_errors(make_call(520, H, HV, 128, 128, B=2)))
+    _assert_bounds(_public_forward_errors(make_call(520, H, HV, 128, 128, B=2)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HV", QUICK_HEADS)
 def test_gpu_quick_heads_varlen_bf16(H, HV):
-    _assert_bounds(_public_errors(make_call(sum([0, 1, 300, 64, 517]), H, HV, 128, 128,
-                                            lengths=[0, 1, 300, 64, 517])))
+    _assert_bounds(_public_forward_errors(make_call(sum([0, 1, 300, 64, 517]), H, HV, 128, 128,
+                                                    lengths=[0, 1, 300, 64, 517])))
+
+
+@pytest.mark.gpu
+@BACKWARD_ON_GPU
+@pytest.mark.parametrize("H,HV", QUICK_HEADS)
+def test_gpu_quick_heads_gradients_bf16(H, HV):
+    _assert_bounds(_gradient_errors(make_call(520, H, HV, 128, 128, B=2)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("K", [64, 256])
 def test_gpu_options_bf16(K):
-    _assert_bounds(_public_errors(make_call(700, 2, 4, K, K, raw=True, gate=True, use_qk_l2norm_in_kernel=True,
-                                            use_beta_sigmoid_in_kernel=True, state_v_first=True)))
+    _assert_bounds(_public_forward_errors(make_call(700, 2, 4, K, K, raw=True, gate=True,
+                                                    use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                                    state_v_first=True)))
+
+
+@pytest.mark.gpu
+@BACKWARD_ON_GPU
+@pytest.mark.parametrize("K", [64, 256])
+def test_gpu_options_gradients_bf16(K):
+    _assert_bounds(_gradient_errors(make_call(700, 2, 4, K, K, raw=True, gate=True, use_qk_l2norm_in_kernel=True,
+                                              use_beta_sigmoid_in_kernel=True, state_v_first=True)))

@@ -49,6 +49,11 @@ class TritonGenericBackend(Backend):
             reasons.append(f"key head dim K={problem.K} is not one of {HEAD_DIMS}")
         if problem.V not in HEAD_DIMS:
             reasons.append(f"value head dim V={problem.V} is not one of {HEAD_DIMS}")
+        # The chunked backward passes the interpreter tests but hit an illegal memory access on the H200
+        # (2026-11-29, benchmarks/JOURNAL.md): until it is fixed, training goes to the reference.
+        if problem.needs_grad:
+            reasons.append("the backward kernels are not yet verified on a GPU (illegal memory access on "
+                           "the H200, 2026-11-29); training runs on the reference")
         # A serving pool may store bf16/fp16 states (the decode kernel computes in fp32); dense states are fp32.
         state_dtypes = (torch.float32, torch.bfloat16, torch.float16) if problem.serving else (torch.float32,)
         if problem.state_dtype is not None and problem.state_dtype not in state_dtypes:
