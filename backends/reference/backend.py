@@ -40,9 +40,9 @@ def _unpack(rows: torch.Tensor, bounds: list[tuple[int, int]], T: int) -> torch.
     return out.index_put((position[valid],), rows[valid])[None]
 
 
-def reference_forward(problem: Problem, inputs: GDNInputs,
-                      form: Callable = chunked_gdn) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """o (v's dtype) and the final state (compute dtype, or None) of a call, through `form`."""
+def apply_options(problem: Problem, inputs) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g, beta in the compute dtype with the in-kernel options applied and q/k repeated onto
+    the value heads (value head j reads q/k head j // (HV / H)): what the recurrence consumes."""
     dt = problem.compute_dtype
     q, k, v, g, beta = (x.to(dt) for x in inputs[:5])
     if problem.use_qk_l2norm_in_kernel:
@@ -51,8 +51,15 @@ def reference_forward(problem: Problem, inputs: GDNInputs,
         g = gate(g, inputs.A_log.to(dt), None if inputs.dt_bias is None else inputs.dt_bias.to(dt))
     if problem.use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, problem.allow_neg_eigval)
-    group = problem.HV // problem.H  # value head j reads q/k head j // group
-    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    group = problem.HV // problem.H
+    return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v, g, beta
+
+
+def reference_forward(problem: Problem, inputs: GDNInputs,
+                      form: Callable = chunked_gdn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """o (v's dtype) and the final state (compute dtype, or None) of a call, through `form`."""
+    dt = problem.compute_dtype
+    q, k, v, g, beta = apply_options(problem, inputs)
     h0 = inputs.initial_state
     if h0 is not None:
         h0 = h0.to(dt)

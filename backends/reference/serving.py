@@ -15,25 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from gdnkit.prep import beta_activation, gate, l2norm, seq_bounds
+from gdnkit.prep import seq_bounds
 from gdnkit.problem import GDNServingInputs, Problem
 
-from .backend import _pack, _unpack
+from .backend import _pack, _unpack, apply_options
 from .recurrent import recurrent_gdn
 
 
 def _prepared(problem: Problem, inputs: GDNServingInputs):
     """q, k, v, g, beta with the options applied, q/k on the value heads, one row per sequence."""
-    dt = problem.compute_dtype
-    q, k, v, g, beta = (x.to(dt) for x in inputs[:5])
-    if problem.use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    if problem.use_gate_in_kernel:
-        g = gate(g, inputs.A_log.to(dt), None if inputs.dt_bias is None else inputs.dt_bias.to(dt))
-    if problem.use_beta_sigmoid_in_kernel:
-        beta = beta_activation(beta, problem.allow_neg_eigval)
-    group = problem.HV // problem.H
-    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    q, k, v, g, beta = apply_options(problem, inputs)
     if not problem.varlen:
         return (q, k, v, g, beta), [problem.T] * problem.N, None
     bounds = seq_bounds(inputs.cu_seqlens)
