@@ -84,30 +84,42 @@ class GdnkitImpl(Impl):
                           cu_seqlens=inp.cu_seqlens)
 
 
-class FlaImpl(Impl):
-    name = "fla"
+class AnchorImpl(Impl):
+    """An anchor library called through its FLA-compatible chunk_gated_delta_rule."""
+
     is_anchor = True
-    version_keys = ("fla", "torch", "triton")
+    module_name: str
+    needs_gpu: str  # why it cannot run off a CUDA GPU
 
     def _module(self):
-        # `import fla` hands chunk_gated_delta_rule to FlashQLA whenever flash_qla is importable;
-        # the anchor is FLA's own Triton path, so the switch is set before the first import.
-        os.environ["FLA_FLASH_QLA"] = "0"
-        return importlib.import_module("fla.ops.gated_delta_rule")
+        return importlib.import_module(self.module_name)
 
     def unavailable(self, device):
         if torch.device(device).type != "cuda":
-            return "fla's Triton kernels need a CUDA GPU"
+            return self.needs_gpu
         try:
-            self._module()
+            self._module()  # flash_qla raises here on an unsupported GPU generation
         except Exception as exc:
-            return f"fla is not importable ({type(exc).__name__}: {exc})"
+            return f"{self.module_name} is not importable ({type(exc).__name__}: {exc})"
         return None
 
     def chunk(self, inp, output_final_state=False):
         m = self._module()
         return m.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
                                         output_final_state=output_final_state, cu_seqlens=inp.cu_seqlens)
+
+
+class FlaImpl(AnchorImpl):
+    name = "fla"
+    module_name = "fla.ops.gated_delta_rule"
+    needs_gpu = "fla's Triton kernels need a CUDA GPU"
+    version_keys = ("fla", "torch", "triton")
+
+    def _module(self):
+        # `import fla` hands chunk_gated_delta_rule to FlashQLA whenever flash_qla is importable;
+        # the anchor is FLA's own Triton path, so the switch is set before the first import.
+        os.environ["FLA_FLASH_QLA"] = "0"
+        return super()._module()
 
     def decode(self, inp):
         m = self._module()
@@ -116,35 +128,18 @@ class FlaImpl(Impl):
                                                   cu_seqlens=inp.cu_seqlens)
 
 
-class FlashQLAImpl(Impl):
+class FlashQLAImpl(AnchorImpl):
     name = "flashqla"
-    is_anchor = True
+    module_name = "flash_qla"
+    needs_gpu = "flash_qla's TileLang kernels need a CUDA GPU (sm90/sm100/sm120)"
     version_keys = ("flash_qla", "tilelang", "torch")
-
-    def _module(self):
-        return importlib.import_module("flash_qla")
-
-    def unavailable(self, device):
-        if torch.device(device).type != "cuda":
-            return "flash_qla's TileLang kernels need a CUDA GPU (sm90/sm100/sm120)"
-        try:
-            self._module()  # raises on an unsupported GPU generation at import
-        except Exception as exc:
-            return f"flash_qla is not importable ({type(exc).__name__}: {exc})"
-        return None
+    NO_DECODE = "flash_qla 0.1.3 has no decode (fused recurrent) entry point"
 
     def skip_reason(self, point):
-        if point.pass_ == "decode":
-            return "flash_qla 0.1.3 has no decode (fused recurrent) entry point"
-        return None
-
-    def chunk(self, inp, output_final_state=False):
-        m = self._module()
-        return m.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
-                                        output_final_state=output_final_state, cu_seqlens=inp.cu_seqlens)
+        return self.NO_DECODE if point.pass_ == "decode" else None
 
     def decode(self, inp):
-        raise Unsupported("flash_qla 0.1.3 has no decode (fused recurrent) entry point")
+        raise Unsupported(self.NO_DECODE)
 
 
 ANCHORS = ("fla", "flashqla")
