@@ -336,9 +336,7 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     state_layout = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
     serving = _check_serving(mode, q, T, N, HV, K, V, state_v_first, initial_state, cu_seqlens,
                              ssm_state_indices, num_accepted_tokens, inplace_final_state)
-    if serving is not None:
-        pass  # initial_state is the pool, checked above
-    elif initial_state is not None:
+    if serving is None and initial_state is not None:  # (a serving pool was checked by _check_serving)
         _require_rank("initial_state", initial_state, 4, state_layout)
         if initial_state.shape[0] != N:
             raise ValueError(f"initial_state must hold one state per sequence: N={N} "
