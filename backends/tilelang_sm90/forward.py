@@ -1,0 +1,152 @@
+"""The sm90 chunked forward: two TileLang launches (intra_chunk.py, then state_output.py).
+
+    forward(problem, inputs) -> (o [B, T, HV, V] in v's dtype, final state or None)
+
+Every call runs on the packed (varlen) form: a dense batch [B, T] is viewed as B sequences of T tokens
+packed into [1, B*T], so one build serves both. Kernels are compiled once per (H, HV, dtype, options) --
+options being initial/final state and the state pass's V tile (32/64/128, picked from N * HV against the
+SM count: at most three builds per key). Token count, sequence count and chunk count are symbolic
+(T.dynamic) in every kernel, and `scale` is a runtime argument.
+
+The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
+run as a small PyTorch prologue/epilogue using gdnkit.prep's math.
+"""
+import functools
+
+import torch
+
+from gdnkit import prep
+from gdnkit.problem import GDNInputs, Problem
+
+CHUNK = 64
+# wgmma and TMA need the arch-specific sm_90a target (plain sm_90 has neither).
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# Launch settings of the state pass, for tuning from benchmarks.
+# V tile per program: None = plan from the SM count (_plan_block_v), or force 32 / 64 / 128 (tests).
+BLOCK_V = None
+# consumer threads per V tile: S [128, BV] fp32 is BV/2 registers per thread per warpgroup; 128 x 128 needs two
+# warpgroups to stay spill-free (ptxas: 168 registers, no spills at 256; 240 at 128 threads for BV <= 64)
+THREADS = {32: 128, 64: 128, 128: 256}
+NUM_STAGES = 2    # TMA pipeline depth of the chunk loop
+# the state pass has N * HV * (V / BV) programs, each walking a whole sequence: narrower V tiles buy
+# parallelism when (sequences x heads) leave SMs idle (FlashQLA's rule: aim at ~70% of the SMs)
+TARGET_SM_FRACTION = 0.7
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
+    if BLOCK_V is not None:
+        return BLOCK_V
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = TARGET_SM_FRACTION * sms
+    if N * HV >= target:
+        return 128
+    return 64 if 2 * N * HV >= target else 32
+
+
+@functools.lru_cache(maxsize=None)
+def _jit():
+    """The tilelang.jit wrappers, built on first use (importing this module needs no tilelang)."""
+    import tilelang
+
+    from .intra_chunk import PASS_CONFIGS as INTRA_CONFIGS
+    from .intra_chunk import intra_chunk_program
+    from .state_output import PASS_CONFIGS as STATE_CONFIGS
+    from .state_output import state_output_program
+
+    intra = tilelang.jit(intra_chunk_program, target=TARGET, pass_configs=INTRA_CONFIGS)
+    state = tilelang.jit(state_output_program, target=TARGET, pass_configs=STATE_CONFIGS)
+    return intra, state
+
+
+@functools.lru_cache(maxsize=None)
+def intra_chunk_kernel(H: int, HV: int, dtype: str):
+    """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
+    return _jit()[0](H, HV, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
+                        block_v: int = 64, num_stages: int = NUM_STAGES):
+    return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
+                     block_v=block_v, num_stages=num_stages, threads=THREADS[block_v])
+
+
+def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
+    """The in-kernel options as PyTorch (not fused yet): q, k in their dtype, g and beta fp32."""
+    if problem.use_qk_l2norm_in_kernel:
+        q, k = prep.l2norm(q.float()).to(q.dtype), prep.l2norm(k.float()).to(k.dtype)
+    g = g.float()
+    if problem.use_gate_in_kernel:
+        g = prep.gate(g, A_log.float(), None if dt_bias is None else dt_bias.float())
+    beta = beta.float()
+    if problem.use_beta_sigmoid_in_kernel:
+        beta = prep.beta_activation(beta, problem.allow_neg_eigval)
+    return q, k, g, beta
+
+
+def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
+    """(o, final state). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs back in it
+    (packed: w [1, B*T, HV, K], u [1, B*T, HV, V], gamma [HV, padded]) for stage-by-stage checks."""
+    q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
+    if problem.dtype not in TORCH_TO_TL:
+        raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
+    if problem.K != 128 or problem.V != 128:
+        raise ValueError(f"tilelang_sm90 is built for K = V = 128, got K={problem.K}, V={problem.V}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = problem.N
+    dev = q.device
+    q, k, g, beta = _prologue(problem, q, k, g, beta, A_log, dt_bias)
+
+    # packed form [1, B*T]; cu_seqlens int32 for the kernels
+    if cu is None:
+        cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
+    else:
+        cu = cu.to(torch.int32)
+    total = B * T
+    q, k = (x.reshape(1, total, H, K).contiguous() for x in (q, k))
+    v = v.reshape(1, total, HV, V).contiguous()
+    g, beta = (x.reshape(1, total, HV).contiguous() for x in (g, beta))
+    if h0 is not None:
+        h0 = h0.float()
+        h0 = (h0.transpose(-1, -2) if problem.state_v_first else h0).contiguous()
+
+    # tokens past cu_seqlens[-1] belong to no sequence: their output is 0 (as the reference's)
+    o = torch.zeros(1, total, HV, V, device=dev, dtype=v.dtype)
+    chunk_table = prep.chunk_indices(cu, CHUNK).to(torch.int32).contiguous()
+    if chunk_table.shape[0] == 0:  # no tokens in any sequence: nothing to launch
+        ht = None
+        if problem.output_final_state:
+            ht = h0.clone() if h0 is not None else torch.zeros(N, HV, K, V, device=dev, dtype=torch.float32)
+    else:
+        dt = TORCH_TO_TL[problem.dtype]
+        w = torch.empty(1, total, HV, K, device=dev, dtype=k.dtype)
+        u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
+        # gamma token-contiguous per head, row length a multiple of 64 (TMA: 16-byte row stride)
+        padded = -(-total // CHUNK) * CHUNK
+        gamma = torch.zeros(HV, padded, device=dev, dtype=torch.float32)
+        intra_chunk_kernel(H, HV, dt)(k, v, g, beta, cu, chunk_table, w, u, gamma)
+        if intermediates is not None:
+            intermediates.update(w=w, u=u, gamma=gamma)
+
+        placeholder = None
+        if h0 is None or not problem.output_final_state:
+            placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
+        h0_arg = h0 if h0 is not None else placeholder
+        ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
+        ht_arg = ht if ht is not None else placeholder
+        kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
+                                     _plan_block_v(N, HV, dev))
+        kernel(q, k, w, u, gamma, cu, h0_arg, o, ht_arg, float(problem.scale))
+
+    o = o.reshape(B, T, HV, V)
+    if ht is not None and problem.state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    return o, ht

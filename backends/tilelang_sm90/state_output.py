@@ -1,0 +1,131 @@
+"""The sequential half of the chunked forward (ALGORITHM.md section 2), fused with the output: one TileLang
+program per (sequence, value head, V tile) walks the sequence's chunks with the state on chip:
+
+    U     = U' - W S                                      (C x BV)
+    O     = scale ( diag(Gamma) Q S + (Q K^T (.) D_incl) U )
+    S_end = Gamma_C S + K^T diag(Gamma_C / Gamma) U       (= Gamma_C S + Kt^T U)
+
+S [K, BV] stays an fp32 register fragment from the first chunk to the last; each chunk rounds a bf16 copy of
+it into shared memory, the operand of W S and Q S (ALGORITHM.md section 3: this rounding is most of the
+~3e-3 error the anchors show). The decay Gamma_C / Gamma_t is folded into U's rows (one bf16 rounding of
+the product) instead of into K, so K's TMA tile is the left operand of the state update as loaded.
+
+The chunk loop is a T.Pipelined loop: the Q, K, W, U' and gamma tiles of chunk i + 1 stream in by TMA on
+mbarriers (2 stages) while chunk i computes. Tail chunk of a sequence: the TMA boxes read past the
+sequence's end (next sequence's rows, zeros past the tensor's end); every use of such a row goes through a
+select on `t < n_valid` (U's rows, the decays, the stores), never a multiply, so garbage there cannot leak
+(0 * inf would).
+"""
+import tilelang
+import tilelang.language as T
+
+CHUNK = 64
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+TMA = {"prefer_instruction": "tma"}
+
+
+def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
+                         store_final_state: bool = False, block_v: int = 64, num_stages: int = 2,
+                         threads: int = 128, K: int = 128, V: int = 128):
+    """The TileLang prim_func. Token count, sequence count and the state tensors' lengths are symbolic;
+    `scale` is a runtime argument, so one build serves every scale."""
+    # ---- tile shapes ----
+    C = CHUNK        # chunk rows: Q/K/W tiles are C x K, U'/U/O tiles C x BV, Q K^T is C x C
+    BV = block_v     # V tile per program: 64 -> S is 128 x 64 fp32 = 64 registers/thread at 128 threads;
+                     # 2 V tiles per (sequence, head) double the programs for few-sequence problems
+    NV = V // BV
+    accum = "float32"
+    assert HV % H == 0 and K == 128 and V == 128 and V % BV == 0
+    GROUP = HV // H
+
+    num_tokens = T.dynamic("num_tokens")
+    padded_tokens = T.dynamic("padded_tokens")
+    num_seqs = T.dynamic("num_seqs")
+    num_h0 = T.dynamic("num_h0")  # N with an initial state, else 1 (a placeholder that is never read)
+    num_ht = T.dynamic("num_ht")  # N with a final state, else 1 (never written)
+
+    @T.prim_func
+    def gdn_state_output(
+        q: T.Tensor((1, num_tokens, H, K), dtype),
+        k: T.Tensor((1, num_tokens, H, K), dtype),
+        w: T.Tensor((1, num_tokens, HV, K), dtype),
+        u: T.Tensor((1, num_tokens, HV, V), dtype),
+        gamma: T.Tensor((HV, padded_tokens), accum),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        h0: T.Tensor((num_h0, HV, K, V), accum),
+        o: T.Tensor((1, num_tokens, HV, V), dtype),
+        ht: T.Tensor((num_ht, HV, K, V), accum),
+        scale: T.float32,
+    ):
+        # V tiles fastest: the programs sharing one (sequence, head) run together and share Q/K/W in L2
+        with T.Kernel(NV, HV, num_seqs, threads=threads) as (bv, hv, n):
+            hk = hv // GROUP
+            v0 = bv * BV
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+
+            # pipelined operand tiles (TileLang multi-buffers them num_stages deep)
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            w_s = T.alloc_shared((C, K), dtype)
+            up_s = T.alloc_shared((C, BV), dtype)     # U'
+            g_s = T.alloc_shared((C,), accum)         # gamma of the chunk
+            # per-chunk operands made on chip
+            s_s = T.alloc_shared((K, BV), dtype)      # bf16 copy of S
+            u_s = T.alloc_shared((C, BV), dtype)      # U
+            ud_s = T.alloc_shared((C, BV), dtype)     # diag(Gamma_C / Gamma) U
+            p_s = T.alloc_shared((C, C), dtype)       # Q K^T (.) D_incl
+
+            S = T.alloc_fragment((K, BV), accum)
+            wu = T.alloc_fragment((C, BV), accum)     # W S, then U
+            acc_o = T.alloc_fragment((C, BV), accum)
+            qk = T.alloc_fragment((C, C), accum)
+            g_last = T.alloc_var(accum)
+
+            if has_initial_state:
+                T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
+            else:
+                T.clear(S)
+
+            for ic in T.Pipelined(n_chunks, num_stages=num_stages):
+                t0 = bos + ic * C
+                n_valid = T.min(eos - t0, C)
+                T.copy(q[0, t0:t0 + C, hk, 0:K], q_s, annotations=TMA)
+                T.copy(k[0, t0:t0 + C, hk, 0:K], k_s, annotations=TMA)
+                T.copy(w[0, t0:t0 + C, hv, 0:K], w_s, annotations=TMA)
+                T.copy(u[0, t0:t0 + C, hv, v0:v0 + BV], up_s, annotations=TMA)
+                T.copy(gamma[hv, t0:t0 + C], g_s, annotations=TMA)
+
+                T.copy(S, s_s)
+                T.gemm(w_s, s_s, wu, clear_accum=True)                       # W S
+                T.gemm(q_s, s_s, acc_o, clear_accum=True)                    # Q S
+                T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)     # Q K^T
+
+                # U = U' - W S on the valid rows, 0 elsewhere
+                for i, j in T.Parallel(C, BV):
+                    wu[i, j] = T.if_then_else(i < n_valid, up_s[i, j] - wu[i, j], 0.0)
+                T.copy(wu, u_s)
+                # Q K^T (.) D_incl: causal incl. the diagonal, masked before the exp
+                for i, j in T.Parallel(C, C):
+                    qk[i, j] = T.if_then_else(i >= j, T.if_then_else(i < n_valid, qk[i, j] * T.exp(g_s[i] - g_s[j]), 0.0), 0.0)
+                T.copy(qk, p_s)
+                for i, j in T.Parallel(C, BV):
+                    acc_o[i, j] = acc_o[i, j] * T.exp(g_s[i])                 # diag(Gamma) Q S
+                T.gemm(p_s, u_s, acc_o)                                      # += (Q K^T (.) D_incl) U
+                for i, j in T.Parallel(C, BV):
+                    if i < n_valid:
+                        o[0, t0 + i, hv, v0 + j] = acc_o[i, j] * scale
+
+                # S <- Gamma_C S + K^T diag(Gamma_C / Gamma) U
+                g_last = g_s[n_valid - 1]
+                for i, j in T.Parallel(C, BV):
+                    ud_s[i, j] = T.if_then_else(i < n_valid, wu[i, j] * T.exp(g_last - g_s[i]), 0.0)
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] * T.exp(g_last)
+                T.gemm(k_s, ud_s, S, transpose_A=True)
+
+            if store_final_state:
+                T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
+
+    return gdn_state_output

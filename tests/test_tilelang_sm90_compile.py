@@ -1,0 +1,287 @@
+"""backends/tilelang_sm90: the sm90 TileLang forward kernels.
+
+CPU (CI): every kernel compiles for sm_90a with nvcc (no GPU needed), and the generated CUDA shows the
+Hopper paths: wgmma for the tensor-core products, TMA bulk tensor loads on mbarriers for the tiles. A
+regression to mma.sync or to plain loads fails here. Also a float64 check of the solve's algebra as the
+intra-chunk kernel does it (block inverses, then T = (I - N)(I + N N) Dinv).
+
+GPU (`-m gpu`): forward() against the reference backend's chunked form in float64.
+"""
+import functools
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+SM90 = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _nvcc() -> bool:
+    import os
+    return shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+def _tilelang():
+    try:
+        import tilelang
+    except Exception as exc:  # noqa: BLE001 - any import failure means: cannot compile here
+        pytest.skip(f"tilelang is not importable ({exc})")
+    if not _nvcc():
+        pytest.skip("nvcc is not installed")
+    return tilelang
+
+
+@functools.lru_cache(maxsize=None)
+def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
+    import tilelang
+
+    from gdnkit.backends.tilelang_sm90 import intra_chunk, state_output
+    if kind == "intra_chunk":
+        func, configs = intra_chunk.intra_chunk_program(H, HV, dtype), intra_chunk.PASS_CONFIGS
+    else:
+        func, configs = state_output.state_output_program(H, HV, dtype, **options), state_output.PASS_CONFIGS
+    return tilelang.compile(func, target=SM90, pass_configs=configs).get_kernel_source()
+
+
+def _assert_hopper_paths(src: str):
+    assert "wgmma" in src, "tensor-core products did not lower to wgmma"
+    assert "tma_load" in src, "tile loads did not lower to TMA (cp.async.bulk.tensor)"
+    # TMA loads complete on an mbarrier (tl::Barrier) that is told the bytes to expect
+    assert "Barrier*" in src and ("arrive_and_expect_tx" in src or "expect_transaction" in src), \
+        "TMA loads are not tracked by mbarriers"
+
+
+@pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (16, 64, "float16")])
+def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
+    _tilelang()
+    src = _source("intra_chunk", H, HV, dtype)
+    _assert_hopper_paths(src)
+    # the 64x64 solve products stay fp32 operands (tf32 tensor cores), not bf16
+    assert "kTensorFloat32" in src
+
+
+# every V tile the forward can pick (forward.THREADS: BV = 128 runs two consumer warpgroups)
+@pytest.mark.parametrize("H,HV,dtype,h0,ht,bv", [(2, 8, "bfloat16", True, True, 64),
+                                                 (16, 64, "float16", False, False, 128),
+                                                 (4, 16, "bfloat16", True, False, 32)])
+def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
+    _tilelang()
+    from gdnkit.backends.tilelang_sm90.forward import THREADS
+    src = _source("state_output", H, HV, dtype, has_initial_state=h0, store_final_state=ht, block_v=bv,
+                  threads=THREADS[bv])
+    _assert_hopper_paths(src)
+
+
+def test_solve_algebra_float64():
+    """T = (I + A)^-1 as the kernel forms it: Dinv from 16x16 forward substitutions, N = Dinv Aoff,
+    T = (I - N)(I + N N) Dinv (exact: N is strictly block-lower with 4 blocks, so N^4 = 0)."""
+    gen = torch.Generator().manual_seed(0)
+    C, BLK = 64, 16
+    k = F.normalize(torch.randn(C, 128, generator=gen, dtype=torch.float64), dim=-1)
+    beta = torch.rand(C, generator=gen, dtype=torch.float64)
+    gamma = F.logsigmoid(torch.randn(C, generator=gen, dtype=torch.float64)).cumsum(0)
+    i = torch.arange(C)
+    strict = i[:, None] > i[None, :]
+    D = torch.exp((gamma[:, None] - gamma[None, :]).masked_fill(~strict, float("-inf")))
+    A = (beta[:, None] * (k @ k.T) * D).masked_fill(~strict, 0)
+
+    same_block = (i[:, None] // BLK) == (i[None, :] // BLK)
+    Dinv = torch.zeros(C, C, dtype=torch.float64)
+    for b in range(C // BLK):  # one "thread" per column c: solve (I + A_bb) x = e_c
+        blk = A[b * BLK:(b + 1) * BLK, b * BLK:(b + 1) * BLK]
+        for c in range(BLK):
+            col = torch.zeros(BLK, dtype=torch.float64)
+            for r in range(BLK):
+                col[r] = (1.0 if r == c else 0.0) - sum(blk[r, m] * col[m] for m in range(r))
+            Dinv[b * BLK:(b + 1) * BLK, b * BLK + c] = col
+    Aoff = A.masked_fill(same_block, 0)
+    N = Dinv @ Aoff
+    eye = torch.eye(C, dtype=torch.float64)
+    Tm = (eye - N) @ (eye + N @ N) @ Dinv
+    expected = torch.linalg.inv(eye + A)
+    assert torch.allclose(Tm, expected, atol=1e-12, rtol=1e-10)
+
+
+def _emulate(q, k, v, g, beta, h0, cu, scale):
+    """The two kernels' dataflow in float64, tile by tile, including what the TMA boxes of a tail chunk
+    read (the next sequence's rows, zeros past the tensor's end) and every select the kernels use."""
+    C = 64
+    _, T, H, Kd = k.shape
+    HV, Vd = v.shape[2], v.shape[3]
+    grp = HV // H
+    padded = -(-T // C) * C
+
+    def box(x, t0):  # a TMA box of 64 rows from row t0 of [1, T, ...]: zeros past the end
+        out = x.new_zeros((C,) + tuple(x.shape[2:]))
+        n = max(0, min(C, T - t0))
+        out[:n] = x[0, t0:t0 + n]
+        return out
+
+    from gdnkit.prep import chunk_indices
+    table = chunk_indices(cu, C).tolist()
+    w = torch.full((1, T, HV, Kd), float("nan"), dtype=torch.float64)  # never-written rows are garbage
+    u = torch.full((1, T, HV, Vd), float("nan"), dtype=torch.float64)
+    gamma = torch.zeros(HV, padded, dtype=torch.float64)
+    i = torch.arange(C)
+    for seq, ic in table:
+        bos, eos = int(cu[seq]), int(cu[seq + 1])
+        t0 = bos + ic * C
+        n_valid = min(eos - t0, C)
+        valid = i < n_valid
+        for hv in range(HV):
+            kk, vv = box(k[:, :, hv // grp], t0), box(v[:, :, hv], t0)
+            gs = torch.where(valid, box(g[:, :, hv], t0), 0.0).cumsum(0)
+            bs = torch.where(valid, box(beta[:, :, hv], t0), 0.0)
+            A = torch.where(i[:, None] > i[None, :], (kk @ kk.T) * bs[:, None] * torch.exp(gs[:, None] - gs[None, :]), 0.0)
+            Tm = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + A)
+            W = Tm @ (kk * (bs * gs.exp())[:, None])
+            U = Tm @ (vv * bs[:, None])
+            n = n_valid
+            w[0, t0:t0 + n, hv], u[0, t0:t0 + n, hv], gamma[hv, t0:t0 + n] = W[:n], U[:n], gs[:n]
+    o = torch.zeros(1, T, HV, Vd, dtype=torch.float64)
+    ht = torch.zeros(len(cu) - 1, HV, Kd, Vd, dtype=torch.float64)
+    gpad = gamma.new_zeros(HV, padded + C)
+    gpad[:, :padded] = gamma
+    for seq in range(len(cu) - 1):
+        bos, eos = int(cu[seq]), int(cu[seq + 1])
+        for hv in range(HV):
+            S = h0[seq, hv].clone()
+            for ic in range(-(-(eos - bos) // C)):
+                t0 = bos + ic * C
+                n_valid = min(eos - t0, C)
+                valid = i < n_valid
+                qq, kk = box(q[:, :, hv // grp], t0), box(k[:, :, hv // grp], t0)
+                ww, up = box(w[:, :, hv], t0), box(u[:, :, hv], t0)
+                gs = gpad[hv, t0:t0 + C]
+                Sb = S  # (the kernel rounds this to bf16)
+                Un = torch.where(valid[:, None], up - ww @ Sb, 0.0)
+                P = torch.where((i[:, None] >= i[None, :]) & valid[:, None], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
+                O = (qq @ Sb) * gs.exp()[:, None] + P @ Un
+                o[0, t0:t0 + n_valid, hv] = (O * scale)[:n_valid]
+                gl = gs[n_valid - 1]
+                Ud = torch.where(valid[:, None], Un * torch.exp(gl - gs)[:, None], 0.0)
+                S = S * gl.exp() + kk.T @ Ud
+            ht[seq, hv] = S
+    return o, ht
+
+
+def test_kernel_dataflow_float64():
+    """The kernels' tile dataflow (tail boxes reading the next sequence, selects, gamma padding, decay folded
+    into U) reproduces the reference in float64: the masking argument of the kernels, checked on CPU."""
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+
+    H, HV, Kd, Vd = 1, 2, 16, 8
+    cu = torch.tensor([0, 1, 65, 200, 200, 260])  # lengths 1, 64, 135, 0, 60; 3 tokens after the last
+    T, N = 263, 5
+    gen = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k = F.normalize(r(1, T, H, Kd), dim=-1), F.normalize(r(1, T, H, Kd), dim=-1)
+    v, g, beta = r(1, T, HV, Vd), F.logsigmoid(r(1, T, HV)) * 3, torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
+    h0 = r(N, HV, Kd, Vd)
+    o, ht = _emulate(q, k, v, g, beta, h0, cu, Kd ** -0.5)
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu)
+    ref_o, ref_ht = reference_forward(problem, inputs, chunked_gdn)
+    assert torch.allclose(o[:, :260], ref_o[:, :260], atol=1e-10, rtol=1e-8)
+    assert torch.allclose(ht, ref_ht, atol=1e-10, rtol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+K = V = 128
+CU_SEQLENS = [0, 1, 65, 200, 333]  # lengths 1, 64, 135, 133: a 1-token sequence, a full chunk, chunk tails
+BF16_FWD_BAR = 5e-3
+
+
+def _rel(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    err = float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+    return err if err == err else float("inf")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v", [None, 32, 64, 128], ids=["auto", "bv32", "bv64", "bv128"])
+@pytest.mark.parametrize("H,HV", [(2, 8), (16, 64)])
+def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(fwd, "BLOCK_V", block_v)
+    forward = fwd.forward
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(H * 100 + HV)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    T = CU_SEQLENS[-1]
+    N = len(CU_SEQLENS) - 1
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    v = r(1, T, HV, V).to(torch.bfloat16)
+    g = F.logsigmoid(r(1, T, HV))
+    beta = torch.sigmoid(r(1, T, HV))
+    h0 = r(N, HV, K, V) * 0.1
+    cu = torch.tensor(CU_SEQLENS, device=dev, dtype=torch.long)
+
+    with torch.no_grad():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0,
+                                          output_final_state=True, cu_seqlens=cu)
+        o, ht = forward(problem, inputs)
+        torch.cuda.synchronize()
+        d = lambda t: t.double()  # noqa: E731 - float64 truth on the same (bf16-rounded) values
+        problem64, inputs64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                                              output_final_state=True, cu_seqlens=cu)
+        ref_o, ref_ht = reference_forward(problem64, inputs64, chunked_gdn)
+
+    assert o.shape == v.shape and o.dtype == v.dtype
+    assert ht.shape == h0.shape and ht.dtype == torch.float32
+    assert _rel(o, ref_o) <= BF16_FWD_BAR, f"o: {_rel(o, ref_o):.2e}"
+    assert _rel(ht, ref_ht) <= BF16_FWD_BAR, f"final state: {_rel(ht, ref_ht):.2e}"
+    # per sequence too: a wrong tail chunk or a lost initial state hides in the global norm
+    for n in range(N):
+        s, e = CU_SEQLENS[n], CU_SEQLENS[n + 1]
+        assert _rel(o[:, s:e], ref_o[:, s:e]) <= BF16_FWD_BAR, f"o of sequence {n}: {_rel(o[:, s:e], ref_o[:, s:e]):.2e}"
+        assert _rel(ht[n], ref_ht[n]) <= BF16_FWD_BAR, f"final state {n}: {_rel(ht[n], ref_ht[n]):.2e}"
+    # deterministic: a second call gives identical bits
+    o2, ht2 = forward(problem, inputs)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+@pytest.mark.gpu
+def test_intra_chunk_stage_matches_reference_trace():
+    """The intra-chunk kernel alone (gamma, W, U') against the reference's ChunkTrace, one dense sequence
+    of 135 tokens (a chunk tail of 7): tells an intra-chunk bug from a state-pass bug."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90.forward import forward
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+
+    H, HV, T = 2, 8, 135
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    v = r(1, T, HV, V).to(torch.bfloat16)
+    g = F.logsigmoid(r(1, T, HV))
+    beta = torch.sigmoid(r(1, T, HV))
+    with torch.no_grad():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta)
+        got = {}
+        forward(problem, inputs, intermediates=got)
+        torch.cuda.synchronize()
+        rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
+        _, _, trace = chunked_gdn(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale)
+    per_token = lambda x: x.movedim(1, 3).reshape(1, -1, HV, x.shape[-1])[:, :T]  # noqa: E731
+    gamma_ref = trace.gamma.reshape(1, HV, -1)[0, :, :T]
+    assert _rel(got["gamma"][:, :T], gamma_ref) <= 1e-5, f"gamma: {_rel(got['gamma'][:, :T], gamma_ref):.2e}"
+    w_ref, u_ref = per_token(trace.W), per_token(trace.U_prime)
+    assert _rel(got["w"], w_ref) <= 1e-2, f"W: {_rel(got['w'], w_ref):.2e}"
+    assert _rel(got["u"], u_ref) <= 1e-2, f"U': {_rel(got['u'], u_ref):.2e}"
