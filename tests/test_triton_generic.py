@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,77 @@ def test_all_sequences_empty():
     o, ht, grads = run_backend(call, torch.float32, do, dht)
     assert o.abs().max() == 0 and rel(ht, ht_ref) < 1e-6  # h0 passed through, rounded to fp32
     assert torch.equal(grads["initial_state"].cpu(), dht.float())
+
+
+class _Bounds:
+    """Interpreter hooks: every active (unmasked) load/store address of a launch must lie inside the one
+    tensor argument that holds its first active address (an overrun into a neighbouring tensor counts);
+    also records each launch's keyword arguments."""
+
+    def __init__(self, monkeypatch):
+        from triton.runtime import interpreter as interp
+        self.launches, self.errors, self.ranges, self.name = [], [], [], None
+        call, load, store = (interp.GridExecutor.__call__, interp.InterpreterBuilder.create_masked_load,
+                             interp.InterpreterBuilder.create_masked_store)
+        itemsize = lambda ptrs: np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize  # noqa: E731
+
+        def run(executor, *args, **kwargs):
+            self.name = executor.fn.__name__
+            self.launches.append((self.name, kwargs))
+            self.ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                           for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            return call(executor, *args, **kwargs)
+
+        def check(ptrs, mask, kind):
+            a = ptrs.data.astype(np.uint64).ravel()[np.broadcast_to(mask.data, ptrs.data.shape).ravel()]
+            if a.size:
+                size, first = itemsize(ptrs), int(a[0])
+                inside = [((a >= lo) & (a + size <= hi)).all() for lo, hi in self.ranges
+                          if lo <= first and first + size <= hi]
+                if not any(inside) and len(self.errors) < 10:
+                    self.errors.append(f"{self.name}: {kind} out of bounds")
+
+        monkeypatch.setattr(interp.GridExecutor, "__call__", run)
+        monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load",
+                            lambda b, ptrs, mask, other, *a: (check(ptrs, mask, "load"),
+                                                              load(b, ptrs, mask, other, *a))[1])
+        monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store",
+                            lambda b, ptrs, value, mask, *a: (check(ptrs, mask, "store"),
+                                                              store(b, ptrs, value, mask, *a))[1])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks addresses inside the Triton interpreter")
+def test_backward_as_at_the_h200_bench_point(monkeypatch):
+    """The call that raised an illegal memory access on the H200 (2026-11-29): one packed sequence with int64
+    cu_seqlens, K = V = 128, no initial state, no final state, dht=None, context parallel (16 segments of 8
+    chunks at H=4 HV=8 x 8192 on 132 SMs), output fused forward, unfused V-64 state pass backward. Scaled
+    to 640 tokens and 8 SMs: the same plan with 2 segments. Every address stays in its own tensor (the
+    exact bench shape does too: checked once, ~8 min), the gradients are right, and the per-chunk gradient
+    kernels run the 64-wide tiles the H200 workaround asks for (32-wide ones are the suspect there)."""
+    from gdnkit.backends.triton_generic import chunked
+    bounds = _Bounds(monkeypatch)
+    call = make_call(640, 1, 2, 128, 128, lengths=[640], initial_state=False)
+    call.update(output_final_state=False, cu_seqlens=call["cu_seqlens"].long())
+    leaves = {n: call[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    o_ref, _ = gdnkit.chunk_gated_delta_rule(**{**call, **leaves}, backend="reference")
+    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(99), dtype=o_ref.dtype)
+    g_ref = dict(zip(leaves, torch.autograd.grad(o_ref, list(leaves.values()), do)))
+
+    cast = {n: (t.to(torch.float16 if n in ("q", "k", "v") else torch.float32).requires_grad_()
+                if n in leaves else t) for n, t in call.items()}
+    problem, inputs = validate_inputs(CHUNK_MODE, **cast)
+    monkeypatch.setattr(chunked, "SM_COUNT", 8)
+    p = chunked.plan(problem, inputs.cu_seqlens, inputs.q.device)
+    assert p.fuse_output and p.block_v == 64 and p.segments.n_seg == 2
+    assert chunked.plan(problem, inputs.cu_seqlens, inputs.q.device, fusable=False).block_v == 64
+    o, ht, saved = BACKEND.chunk_forward(problem, inputs)
+    grads = BACKEND.chunk_backward(problem, saved, do.to(o.dtype), None)
+    assert ht is None and not bounds.errors, bounds.errors
+    errs = {"o": rel(o, o_ref), **{f"d{n}": rel(getattr(grads, f"d{n}"), g_ref[n]) for n in leaves}}
+    assert all(e < 3e-3 for e in errs.values()), errs
+    widths = [(name, kw[b]) for name, kw in bounds.launches if name in ("backward_chunk_kernel", "backward_wy_kernel")
+              for b in ("BK", "BV")]
+    assert widths and all(w >= 64 for _, w in widths), widths
 
 
 # ---------------------------------------------------------------- what dispatch sees

@@ -15,6 +15,9 @@ import triton.language as tl
 
 from ._common import decay, dot_precision, seq_bounds
 
+# K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
+BLOCK_K = 64
+
 
 @triton.jit(do_not_specialize=["T"])
 def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
@@ -88,8 +91,11 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     """Returns per-value-head dq, dk (partial), dW, all [B,T,HV,K] fp32, and dgamma partials [NK,B,T,HV]."""
     B, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
-    # narrow K blocks and 8 warps: the widest tiles spill on sm90
-    BK = min(32, K)
+    # 8 warps. Tiles no narrower than 64 (BLOCK_K): a 32-wide K block made most products here wgmmas of
+    # N = 32 (N = 16 per warpgroup) on 64-byte-swizzled shared operands, a form no forward kernel uses and
+    # the suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses themselves
+    # are in bounds, tests/test_triton_generic.py checks them). 64 spills a little instead (sm90 build).
+    BK = min(BLOCK_K, K)
     BV = min(64, triton.next_power_of_2(V))
     NK = triton.cdiv(K, BK)
     dev = q.device

@@ -12,6 +12,10 @@ import triton.language as tl
 
 from ._common import decay, dot_precision, seq_bounds
 
+# Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
+BLOCK_K = 64
+BLOCK_V = 64
+
 
 @triton.jit(do_not_specialize=["T"])
 def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
@@ -93,9 +97,13 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     dbeta, dg (fp32, w.r.t. the kernels' inputs: before the options' prologue is undone)."""
     B, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    # narrow blocks and 8 warps: five 64x64 fp32 tiles are live here
-    BK = min(32, K)
-    BV = min(32, triton.next_power_of_2(V))
+    # 8 warps; five 64x64 fp32 tiles are live here. Blocks no narrower than 64 (BLOCK_K, BLOCK_V): 32-wide
+    # ones made 32-wide wgmma operands in 64-byte-swizzled shared memory, a layout no forward kernel uses
+    # and the suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses
+    # themselves are in bounds, tests/test_triton_generic.py checks them). 64 spills a little instead
+    # (sm90 build).
+    BK = min(BLOCK_K, K)
+    BV = min(BLOCK_V, triton.next_power_of_2(V))
     dev = k.device
     alloc = torch.zeros if cu_seqlens is not None else torch.empty
     dk = dkp  # each program reads its tile of the partial before writing the sum there
