@@ -30,12 +30,6 @@ def beta_activation(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
     return beta * 2 if allow_neg_eigval else beta
 
 
-def chunk_local_cumsum(g: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """Cumulative sum of g [..., T] restarting at every chunk boundary (T a multiple of chunk)."""
-    *lead, T = g.shape
-    return g.reshape(*lead, T // chunk, chunk).cumsum(-1).reshape(*lead, T)
-
-
 def seq_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of every sequence; reads the offsets to the host (one sync on a GPU tensor)."""
     offsets = cu_seqlens.tolist()
