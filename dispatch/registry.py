@@ -69,6 +69,7 @@ class Backend(abc.ABC):
 BACKEND_MODULES = (
     "gdnkit.backends.reference",
     "gdnkit.backends.triton_generic",
+    "gdnkit.backends.tilelang_sm90",
 )
 
 _registry: dict[str, Backend] = {}

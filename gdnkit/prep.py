@@ -42,9 +42,15 @@ def chunk_indices(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     Kernels launch one program per chunk from this table; compute it once per cu_seqlens (it costs a
     host sync) and pass it along to keep the call capturable in a CUDA graph.
     """
+    offsets = chunk_offsets(cu_seqlens, chunk)
+    n_chunks = offsets[1:] - offsets[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(n_chunks), device=cu_seqlens.device), n_chunks)
+    within = torch.arange(len(seq), device=cu_seqlens.device) - offsets[:-1][seq]
+    return torch.stack([seq, within], 1)
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[N + 1]: row of chunk_indices' table where each sequence's chunks begin (the last entry: their count)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     n_chunks = (lengths + chunk - 1) // chunk
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), n_chunks)
-    starts = torch.cumsum(n_chunks, 0) - n_chunks
-    within = torch.arange(len(seq), device=cu_seqlens.device) - starts[seq]
-    return torch.stack([seq, within], 1)
+    return torch.cat([n_chunks.new_zeros(1), torch.cumsum(n_chunks, 0)])

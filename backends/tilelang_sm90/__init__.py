@@ -1,12 +1,70 @@
 """tilelang_sm90: the chunked GDN forward as TileLang kernels for Hopper (sm_90a), K = V = 128, bf16/fp16.
 
-Not registered as a backend yet (dispatch/registry.py, pyproject.toml): the kernels compile on the CPU
-machines (tests/test_tilelang_sm90_compile.py checks wgmma + TMA in the generated CUDA) and wait for their
-first check on an H200 (`-m gpu` in the same test file).
-
     intra_chunk.py   per (chunk, value head): gamma, A, T = (I + A)^-1, W, U'       (launch 1)
     state_output.py  per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
     forward.py       forward(problem, inputs) -> (o, final state): prologue, kernel cache, launches
 
+Inference only: the sm90 backward is not written yet, so supports() declines problems that need gradients
+and auto dispatch sends training to the next backend. Decode (the recurrent form) stays on triton_generic,
+whose token-by-token kernel runs at ~90% of the H200's copy bandwidth.
+
 Importing this package needs neither tilelang nor a GPU; forward() imports tilelang on first use.
 """
+from __future__ import annotations
+
+import torch
+
+from gdnkit.dispatch import Backend, Machine, register
+from gdnkit.dispatch.requirements import cuda_tensor_reasons, gpu_reasons, package_reasons
+from gdnkit.problem import CHUNK_MODE, GDNGrads, GDNInputs, Problem
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIM = 128
+NEEDS = "a Hopper GPU (compute capability 9.0: wgmma and TMA)"
+
+
+def _accepts(capability: tuple[int, int]) -> bool:
+    return capability == (9, 0)
+
+
+class TileLangSM90Backend(Backend):
+    name = "tilelang_sm90"
+    priority = 70  # above triton_generic: on Hopper this is the fast path
+    description = ("TileLang kernels for Hopper (sm_90a): TMA loads on mbarriers, wgmma products, the state "
+                   "pass fused with the output; chunked forward, K = V = 128, bf16/fp16, inference")
+
+    def unavailable_reasons(self, machine: Machine) -> list[str]:
+        return package_reasons(machine, "tilelang") + gpu_reasons(machine, _accepts, NEEDS)
+
+    def supports(self, problem: Problem, machine: Machine) -> list[str]:
+        reasons = cuda_tensor_reasons(problem, machine, _accepts, NEEDS)
+        if problem.mode != CHUNK_MODE:
+            reasons.append("the recurrent (decode) form runs on triton_generic's token-by-token kernel")
+        if problem.dtype not in DTYPES:
+            reasons.append(f"dtype {problem.dtype} is not bfloat16 or float16")
+        if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
+            reasons.append(f"built for K = V = {HEAD_DIM} (the Qwen3.5/3.6 shape), got K={problem.K}, V={problem.V}")
+        if problem.state_dtype is not None and problem.state_dtype != torch.float32:
+            reasons.append(f"initial_state must be float32, got {problem.state_dtype}")
+        if problem.needs_grad:
+            reasons.append("the sm90 backward is not written yet: training runs on the next backend")
+        return reasons
+
+    def chunk_forward(self, problem: Problem, inputs: GDNInputs):
+        from .forward import forward
+        o, ht = forward(problem, inputs)
+        return o, ht, None
+
+    def chunk_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
+        raise NotImplementedError("tilelang_sm90 has no backward; supports() declines problems that need one")
+
+    def recurrent_forward(self, problem: Problem, inputs: GDNInputs):
+        raise NotImplementedError("tilelang_sm90 has no recurrent form; supports() declines it")
+
+    def recurrent_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
+        raise NotImplementedError("tilelang_sm90 has no recurrent form; supports() declines it")
+
+
+BACKEND = register(TileLangSM90Backend())
+
+__all__ = ["BACKEND", "TileLangSM90Backend"]

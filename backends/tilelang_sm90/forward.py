@@ -93,7 +93,7 @@ def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
 
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
     """(o, final state). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs back in it
-    (packed: w [1, B*T, HV, K], u [1, B*T, HV, V], gamma [HV, padded]) for stage-by-stage checks."""
+    (packed: w [1, B*T, HV, K], u [1, B*T, HV, V], gamma [HV, num_chunks * 64], one row of 64 per chunk) for stage-by-stage checks."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -129,12 +129,12 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         dt = TORCH_TO_TL[problem.dtype]
         w = torch.empty(1, total, HV, K, device=dev, dtype=k.dtype)
         u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
-        # gamma token-contiguous per head, row length a multiple of 64 (TMA: 16-byte row stride)
-        padded = -(-total // CHUNK) * CHUNK
-        gamma = torch.zeros(HV, padded, device=dev, dtype=torch.float32)
+        # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
+        gamma = torch.empty(HV, chunk_table.shape[0], CHUNK, device=dev, dtype=torch.float32)
         intra_chunk_kernel(H, HV, dt)(k, v, g, beta, cu, chunk_table, w, u, gamma)
         if intermediates is not None:
-            intermediates.update(w=w, u=u, gamma=gamma)
+            intermediates.update(w=w, u=u, gamma=gamma.reshape(HV, -1))
+        offsets = prep.chunk_offsets(cu, CHUNK).to(torch.int32)
 
         placeholder = None
         if h0 is None or not problem.output_final_state:
@@ -144,7 +144,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         ht_arg = ht if ht is not None else placeholder
         kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
                                      _plan_block_v(N, HV, dev))
-        kernel(q, k, w, u, gamma, cu, h0_arg, o, ht_arg, float(problem.scale))
+        kernel(q, k, w, u, gamma, cu, offsets, h0_arg, o, ht_arg, float(problem.scale))
 
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:

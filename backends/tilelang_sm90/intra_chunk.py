@@ -7,9 +7,11 @@
                                                               on CUDA cores, the rest by 64x64 tf32 gemms)
     W     = T diag(beta Gamma) K,  U' = T diag(beta) V       (wgmma, bf16 operands)
 
-Writes W [1, T, HV, K] and U' [1, T, HV, V] in the inputs' dtype, and gamma [HV, T_pad] fp32 (natural log,
-token-contiguous so the state pass loads a chunk's 64 values with one TMA box; T_pad is T rounded up to a
-multiple of 64 so its row stride meets TMA's 16-byte rule whatever T is).
+Writes W [1, T, HV, K] and U' [1, T, HV, V] in the inputs' dtype, and gamma [HV, num_chunks, 64] fp32 (natural
+log, one row per entry of the chunk table, so the state pass loads a chunk's 64 values with one TMA box whose
+start is row-aligned. A token-contiguous gamma read at a sequence's own offset puts an unaligned start in the
+box's innermost dimension, and that TMA load raised "illegal instruction" on the H200 for every sequence that
+does not start at a multiple of 64 tokens.)
 
 The solve. Split (I + A) = Dblk + Aoff, Dblk = the four 16x16 diagonal blocks of I + A, Aoff the strictly
 block-lower rest. Then T = (I + N)^-1 Dblk^-1 with N = Dblk^-1 Aoff strictly block-lower (4 blocks), so
@@ -47,7 +49,6 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
     GROUP = HV // H  # GVA: value head hv reads q/k head hv // GROUP
 
     num_tokens = T.dynamic("num_tokens")
-    padded_tokens = T.dynamic("padded_tokens")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
 
@@ -61,7 +62,7 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
         chunk_indices: T.Tensor((num_chunks, 2), "int32"),
         w: T.Tensor((1, num_tokens, HV, K), dtype),
         u: T.Tensor((1, num_tokens, HV, V), dtype),
-        gamma: T.Tensor((HV, padded_tokens), accum),
+        gamma: T.Tensor((HV, num_chunks, C), accum),
     ):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (bc, hv):
             hk = hv // GROUP
@@ -160,8 +161,8 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
                 if i < n_valid:
                     u[0, t0 + i, hv, j] = out[i, j]
 
+            # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
-                if i < n_valid:
-                    gamma[hv, t0 + i] = g_s[i]
+                gamma[hv, bc, i] = g_s[i]
 
     return gdn_intra_chunk

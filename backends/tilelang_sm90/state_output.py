@@ -11,10 +11,11 @@ it into shared memory, the operand of W S and Q S (ALGORITHM.md section 3: this 
 the product) instead of into K, so K's TMA tile is the left operand of the state update as loaded.
 
 The chunk loop is a T.Pipelined loop: the Q, K, W, U' and gamma tiles of chunk i + 1 stream in by TMA on
-mbarriers (2 stages) while chunk i computes. Tail chunk of a sequence: the TMA boxes read past the
-sequence's end (next sequence's rows, zeros past the tensor's end); every use of such a row goes through a
-select on `t < n_valid` (U's rows, the decays, the stores), never a multiply, so garbage there cannot leak
-(0 * inf would).
+mbarriers (2 stages) while chunk i computes; its five products run as two groups of async wgmmas with one
+wait each. Tail chunk of a sequence: the Q/K/W/U' boxes read past the sequence's end (next sequence's rows,
+zeros past the tensor's end). Those rows reach results only through selects on `t < n_valid` (U's rows,
+Q K^T's rows, the stores), never a multiply, so garbage there cannot leak (0 * inf would). Gamma's rows
+are the chunk's own (the intra kernel writes every row of it), so the decays need no select.
 """
 import tilelang
 import tilelang.language as T
@@ -39,7 +40,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     GROUP = HV // H
 
     num_tokens = T.dynamic("num_tokens")
-    padded_tokens = T.dynamic("padded_tokens")
+    num_chunks = T.dynamic("num_chunks")
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")  # N with an initial state, else 1 (a placeholder that is never read)
     num_ht = T.dynamic("num_ht")  # N with a final state, else 1 (never written)
@@ -50,8 +51,9 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         k: T.Tensor((1, num_tokens, H, K), dtype),
         w: T.Tensor((1, num_tokens, HV, K), dtype),
         u: T.Tensor((1, num_tokens, HV, V), dtype),
-        gamma: T.Tensor((HV, padded_tokens), accum),
+        gamma: T.Tensor((HV, num_chunks, C), accum),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         h0: T.Tensor((num_h0, HV, K, V), accum),
         o: T.Tensor((1, num_tokens, HV, V), dtype),
         ht: T.Tensor((num_ht, HV, K, V), accum),
@@ -64,6 +66,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             bos = cu_seqlens[n]
             eos = cu_seqlens[n + 1]
             n_chunks = T.ceildiv(eos - bos, C)
+            c0 = chunk_offsets[n]  # the sequence's first row of the chunk table (and of gamma)
 
             # pipelined operand tiles (TileLang multi-buffers them num_stages deep)
             q_s = T.alloc_shared((C, K), dtype)
@@ -95,35 +98,39 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 T.copy(k[0, t0:t0 + C, hk, 0:K], k_s, annotations=TMA)
                 T.copy(w[0, t0:t0 + C, hv, 0:K], w_s, annotations=TMA)
                 T.copy(u[0, t0:t0 + C, hv, v0:v0 + BV], up_s, annotations=TMA)
-                T.copy(gamma[hv, t0:t0 + C], g_s, annotations=TMA)
+                T.copy(gamma[hv, c0 + ic, 0:C], g_s, annotations=TMA)
 
+                # group 1, issued together and waited on once: W S, Q S, Q K^T (all read this chunk's tiles and S)
                 T.copy(S, s_s)
-                T.gemm(w_s, s_s, wu, clear_accum=True)                       # W S
-                T.gemm(q_s, s_s, acc_o, clear_accum=True)                    # Q S
-                T.gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)     # Q K^T
+                T.wgmma_gemm(w_s, s_s, wu, clear_accum=True)
+                T.wgmma_gemm(q_s, s_s, acc_o, clear_accum=True)
+                T.wgmma_gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
 
-                # U = U' - W S on the valid rows, 0 elsewhere
+                # CUDA-core work between the two groups: U = U' - W S and its decayed copy on the valid rows
+                # (0 elsewhere), the masked decayed Q K^T, diag(Gamma) Q S, Gamma_C S
+                g_last = g_s[n_valid - 1]
                 for i, j in T.Parallel(C, BV):
                     wu[i, j] = T.if_then_else(i < n_valid, up_s[i, j] - wu[i, j], 0.0)
                 T.copy(wu, u_s)
+                for i, j in T.Parallel(C, BV):
+                    ud_s[i, j] = wu[i, j] * T.exp(g_last - g_s[i])
                 # Q K^T (.) D_incl: causal incl. the diagonal, masked before the exp
                 for i, j in T.Parallel(C, C):
                     qk[i, j] = T.if_then_else(i >= j, T.if_then_else(i < n_valid, qk[i, j] * T.exp(g_s[i] - g_s[j]), 0.0), 0.0)
                 T.copy(qk, p_s)
                 for i, j in T.Parallel(C, BV):
-                    acc_o[i, j] = acc_o[i, j] * T.exp(g_s[i])                 # diag(Gamma) Q S
-                T.gemm(p_s, u_s, acc_o)                                      # += (Q K^T (.) D_incl) U
+                    acc_o[i, j] = acc_o[i, j] * T.exp(g_s[i])
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] * T.exp(g_last)
+
+                # group 2: O += (Q K^T (.) D_incl) U and S += K^T diag(Gamma_C / Gamma) U, in flight together
+                T.wgmma_gemm(p_s, u_s, acc_o)
+                T.wgmma_gemm(k_s, ud_s, S, transpose_A=True)
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(C, BV):
                     if i < n_valid:
                         o[0, t0 + i, hv, v0 + j] = acc_o[i, j] * scale
-
-                # S <- Gamma_C S + K^T diag(Gamma_C / Gamma) U
-                g_last = g_s[n_valid - 1]
-                for i, j in T.Parallel(C, BV):
-                    ud_s[i, j] = T.if_then_else(i < n_valid, wu[i, j] * T.exp(g_last - g_s[i]), 0.0)
-                for i, j in T.Parallel(K, BV):
-                    S[i, j] = S[i, j] * T.exp(g_last)
-                T.gemm(k_s, ud_s, S, transpose_A=True)
 
             if store_final_state:
                 T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])

@@ -6,10 +6,16 @@ from __future__ import annotations
 import torch
 
 from gdnkit.dispatch import Backend, Machine, register
+from gdnkit.dispatch.requirements import cuda_tensor_reasons, gpu_reasons, package_reasons
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NEEDS = "compute capability >= 8.0"
+
+
+def _accepts(capability: tuple[int, int]) -> bool:
+    return capability >= (8, 0)
 
 
 class TritonGenericBackend(Backend):
@@ -20,27 +26,10 @@ class TritonGenericBackend(Backend):
     serves_state_pool = True
 
     def unavailable_reasons(self, machine: Machine) -> list[str]:
-        reasons = []
-        if not machine.has_package("triton"):
-            why = machine.import_errors.get("triton", "not installed")
-            reasons.append(f"triton is not importable ({why})")
-        if not machine.gpus:
-            reasons.append("no CUDA GPU visible")
-        elif all(gpu.capability < (8, 0) for gpu in machine.gpus):
-            best = max(machine.gpus, key=lambda gpu: gpu.capability)
-            reasons.append(f"needs compute capability >= 8.0, the GPU ({best.name}) has "
-                           f"{best.capability[0]}.{best.capability[1]}")
-        return reasons
+        return package_reasons(machine, "triton") + gpu_reasons(machine, _accepts, NEEDS)
 
     def supports(self, problem: Problem, machine: Machine) -> list[str]:
-        reasons = []
-        if problem.device_type != "cuda":
-            reasons.append(f"runs on CUDA tensors, got tensors on {problem.device_type}")
-        else:
-            gpu = machine.gpu(problem.device_index)
-            if gpu is not None and gpu.capability < (8, 0):
-                reasons.append(f"needs compute capability >= 8.0, {gpu.name} has "
-                               f"{gpu.capability[0]}.{gpu.capability[1]}")
+        reasons = cuda_tensor_reasons(problem, machine, _accepts, NEEDS)
         if problem.dtype == torch.float64:
             reasons.append("float64 runs on the reference")
         elif problem.dtype not in DTYPES:
@@ -49,11 +38,6 @@ class TritonGenericBackend(Backend):
             reasons.append(f"key head dim K={problem.K} is not one of {HEAD_DIMS}")
         if problem.V not in HEAD_DIMS:
             reasons.append(f"value head dim V={problem.V} is not one of {HEAD_DIMS}")
-        # The chunked backward passes the interpreter tests but hit an illegal memory access on the H200
-        # (2026-11-29, benchmarks/JOURNAL.md): until it is fixed, training goes to the reference.
-        if problem.needs_grad:
-            reasons.append("the backward kernels are not yet verified on a GPU (illegal memory access on "
-                           "the H200, 2026-11-29); training runs on the reference")
         # A serving pool may store bf16/fp16 states (the decode kernel computes in fp32); dense states are fp32.
         state_dtypes = (torch.float32, torch.bfloat16, torch.float16) if problem.serving else (torch.float32,)
         if problem.state_dtype is not None and problem.state_dtype not in state_dtypes:

@@ -1,11 +1,11 @@
-"""backends/tilelang_sm90: the sm90 TileLang forward kernels.
+"""backends/tilelang_sm90: the sm90 TileLang forward kernels and the backend around them.
 
 CPU (CI): every kernel compiles for sm_90a with nvcc (no GPU needed), and the generated CUDA shows the
 Hopper paths: wgmma for the tensor-core products, TMA bulk tensor loads on mbarriers for the tiles. A
-regression to mma.sync or to plain loads fails here. Also a float64 check of the solve's algebra as the
-intra-chunk kernel does it (block inverses, then T = (I - N)(I + N N) Dinv).
+regression to mma.sync or to plain loads fails here. Also the backend's supports() reasons and dispatch
+choice, a float64 check of the solve's algebra, and a float64 model of both kernels' tile dataflow.
 
-GPU (`-m gpu`): forward() against the reference backend's chunked form in float64.
+GPU (`-m gpu`, an sm90 device): forward() against the reference backend's chunked form in float64.
 """
 import functools
 import shutil
@@ -73,6 +73,45 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
     _assert_hopper_paths(src)
 
 
+def _hopper(capability=(9, 0), tilelang="0.1.15"):
+    from gdnkit import dispatch
+    gpu = dispatch.GPU(index=0, name="NVIDIA H200", capability=capability, sm_count=132, total_memory_bytes=1 << 37)
+    errors = {} if tilelang else {"tilelang": "ModuleNotFoundError: No module named 'tilelang'"}
+    return dispatch.Machine(gpus=(gpu,), packages={"triton": "3.6.0", "tilelang": tilelang}, import_errors=errors)
+
+
+def _problem(**over):
+    from gdnkit.problem import CHUNK_MODE, Problem
+    fields = dict(mode=CHUNK_MODE, B=1, T=4096, H=4, HV=16, K=128, V=128, N=1, dtype=torch.bfloat16,
+                  gate_dtype=torch.float32, device_type="cuda", device_index=0, scale=128 ** -0.5, varlen=False,
+                  has_initial_state=False, state_dtype=None, output_final_state=False)
+    fields.update(over)
+    return Problem(**fields)
+
+
+def test_supports_says_why_not():
+    """CPU: what the backend takes (Hopper, K = V = 128, bf16/fp16 chunked inference) and the reason it
+    gives for everything else; auto dispatch prefers it on Hopper and passes training on."""
+    from gdnkit import dispatch
+    from gdnkit.backends.tilelang_sm90 import BACKEND
+    from gdnkit.problem import RECURRENT_MODE
+    m = _hopper()
+    assert BACKEND.reasons(_problem(), m) == []
+    assert BACKEND.reasons(_problem(dtype=torch.float16, varlen=True, N=3), m) == []
+    cases = {"needs a Hopper": BACKEND.reasons(_problem(), _hopper(capability=(10, 0))),
+             "tilelang is not importable": BACKEND.reasons(_problem(), _hopper(tilelang=None)),
+             "K = V = 128": BACKEND.reasons(_problem(K=64, V=64), m),
+             "not bfloat16 or float16": BACKEND.reasons(_problem(dtype=torch.float32), m),
+             "recurrent": BACKEND.reasons(_problem(mode=RECURRENT_MODE), m),
+             "backward": BACKEND.reasons(_problem(needs_grad=True), m),
+             "float32": BACKEND.reasons(_problem(has_initial_state=True, state_dtype=torch.bfloat16), m),
+             "CUDA tensors": BACKEND.reasons(_problem(device_type="cpu", device_index=None), m)}
+    for needle, reasons in cases.items():
+        assert any(needle in r for r in reasons), (needle, reasons)
+    assert dispatch.select(_problem(), machine=m)[1].chosen == "tilelang_sm90"
+    assert dispatch.select(_problem(needs_grad=True), machine=m)[1].chosen == "triton_generic"
+
+
 def test_solve_algebra_float64():
     """T = (I + A)^-1 as the kernel forms it: Dinv from 16x16 forward substitutions, N = Dinv Aoff,
     T = (I - N)(I + N N) Dinv (exact: N is strictly block-lower with 4 blocks, so N^4 = 0)."""
@@ -110,7 +149,6 @@ def _emulate(q, k, v, g, beta, h0, cu, scale):
     _, T, H, Kd = k.shape
     HV, Vd = v.shape[2], v.shape[3]
     grp = HV // H
-    padded = -(-T // C) * C
 
     def box(x, t0):  # a TMA box of 64 rows from row t0 of [1, T, ...]: zeros past the end
         out = x.new_zeros((C,) + tuple(x.shape[2:]))
@@ -118,13 +156,14 @@ def _emulate(q, k, v, g, beta, h0, cu, scale):
         out[:n] = x[0, t0:t0 + n]
         return out
 
-    from gdnkit.prep import chunk_indices
+    from gdnkit.prep import chunk_indices, chunk_offsets
     table = chunk_indices(cu, C).tolist()
+    offsets = chunk_offsets(cu, C).tolist()
     w = torch.full((1, T, HV, Kd), float("nan"), dtype=torch.float64)  # never-written rows are garbage
     u = torch.full((1, T, HV, Vd), float("nan"), dtype=torch.float64)
-    gamma = torch.zeros(HV, padded, dtype=torch.float64)
+    gamma = torch.full((HV, len(table), C), float("nan"), dtype=torch.float64)  # one row per table entry
     i = torch.arange(C)
-    for seq, ic in table:
+    for row, (seq, ic) in enumerate(table):
         bos, eos = int(cu[seq]), int(cu[seq + 1])
         t0 = bos + ic * C
         n_valid = min(eos - t0, C)
@@ -138,11 +177,9 @@ def _emulate(q, k, v, g, beta, h0, cu, scale):
             W = Tm @ (kk * (bs * gs.exp())[:, None])
             U = Tm @ (vv * bs[:, None])
             n = n_valid
-            w[0, t0:t0 + n, hv], u[0, t0:t0 + n, hv], gamma[hv, t0:t0 + n] = W[:n], U[:n], gs[:n]
+            w[0, t0:t0 + n, hv], u[0, t0:t0 + n, hv], gamma[hv, row] = W[:n], U[:n], gs
     o = torch.zeros(1, T, HV, Vd, dtype=torch.float64)
     ht = torch.zeros(len(cu) - 1, HV, Kd, Vd, dtype=torch.float64)
-    gpad = gamma.new_zeros(HV, padded + C)
-    gpad[:, :padded] = gamma
     for seq in range(len(cu) - 1):
         bos, eos = int(cu[seq]), int(cu[seq + 1])
         for hv in range(HV):
@@ -153,7 +190,7 @@ def _emulate(q, k, v, g, beta, h0, cu, scale):
                 valid = i < n_valid
                 qq, kk = box(q[:, :, hv // grp], t0), box(k[:, :, hv // grp], t0)
                 ww, up = box(w[:, :, hv], t0), box(u[:, :, hv], t0)
-                gs = gpad[hv, t0:t0 + C]
+                gs = gamma[hv, offsets[seq] + ic]
                 Sb = S  # (the kernel rounds this to bf16)
                 Un = torch.where(valid[:, None], up - ww @ Sb, 0.0)
                 P = torch.where((i[:, None] >= i[None, :]) & valid[:, None], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
@@ -167,7 +204,7 @@ def _emulate(q, k, v, g, beta, h0, cu, scale):
 
 
 def test_kernel_dataflow_float64():
-    """The kernels' tile dataflow (tail boxes reading the next sequence, selects, gamma padding, decay folded
+    """The kernels' tile dataflow (tail boxes reading the next sequence, selects, gamma rows per chunk, decay folded
     into U) reproduces the reference in float64: the masking argument of the kernels, checked on CPU."""
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
