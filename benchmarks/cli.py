@@ -19,9 +19,9 @@ import torch
 
 from . import grids, report, timing
 from .grids import PASSES
-from .impls import gpu_name, gpu_slug, resolve
+from .impls import environment_versions, gpu_name, gpu_slug, resolve
 from .warm import warm
-from .runner import RunConfig, merge_rows, run_grid
+from .runner import RunConfig, find_cached, merge_rows, run_grid
 
 PROG = "python -m gdnkit bench"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -141,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         def log_both(msg: str) -> None:
             log(msg)
             print(msg, flush=True)
-        warm(grid, [i.name for i in impls], str(device), args.warm_jobs, log_both)
+        cached = None
+        if args.anchors == "cached":  # anchors answered from cached rows need no compile
+            by_name, gpu, versions = {i.name: i for i in impls}, gpu_name(device), environment_versions()
+            cached = lambda name, point: (by_name[name].is_anchor  # noqa: E731
+                                          and find_cached(cached_rows, point, by_name[name], gpu, versions) is not None)
+        warm(grid, [i.name for i in impls], str(device), args.warm_jobs, log_both, cached)
     outcome = run_grid(cfg)
     rows = persist(outcome)
     details = report.load_json(details_path, report.empty_details())

@@ -11,7 +11,8 @@ budget=${2:-290}
 mkdir -p "$OUT/h200"
 cp benchmarks/results/h200/*.json "$OUT/h200/" 2>/dev/null
 timeout 190 python -m pytest -q -p no:cacheprovider --tb=short --durations=8 -m gpu \
-    tests/test_triton_generic.py tests/test_decode.py tests/test_gpu.py tests/test_cross_backend.py \
+    tests/test_tilelang_sm90.py tests/test_triton_generic.py tests/test_decode.py tests/test_gpu.py \
+    tests/test_cross_backend.py \
     > "$OUT/gpu_tests.txt" 2>&1 &
 tests=$!
 timeout $((budget + 250)) python -m gdnkit bench --grid quick --passes "$passes" --warm-jobs 15 \

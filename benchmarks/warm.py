@@ -18,13 +18,18 @@ from typing import Callable
 from .grids import Grid, Point
 
 
-def jobs_of(grid: Grid, impl_names: list[str]) -> list[tuple[str, str, int, int, tuple[Point, ...]]]:
-    """(impl, pass, H, HV, points) per warm-up job, longest compiles (backward) first."""
+def jobs_of(grid: Grid, impl_names: list[str], cached: Callable[[str, Point], bool] | None = None
+            ) -> list[tuple[str, str, int, int, tuple[Point, ...]]]:
+    """(impl, pass, H, HV, points) per warm-up job, longest compiles (backward) first. `cached(impl, point)`
+    says a point will not be measured (an anchor row reused from an earlier run): it needs no compile."""
     jobs = []
     for pass_ in ("bwd", "fwd", "decode"):
         for H, HV in grid.head_configs(pass_):
             points = tuple(p for p in grid.points if p.pass_ == pass_ and (p.H, p.HV) == (H, HV))
-            jobs.extend((name, pass_, H, HV, points) for name in impl_names)
+            for name in impl_names:
+                todo = tuple(p for p in points if cached is None or not cached(name, p))
+                if todo:
+                    jobs.append((name, pass_, H, HV, todo))
     return jobs
 
 
@@ -59,8 +64,9 @@ def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[f
     return time.monotonic() - start, None
 
 
-def warm(grid: Grid, impl_names: list[str], device: str, workers: int, log: Callable[[str], None]) -> None:
-    jobs = jobs_of(grid, impl_names)
+def warm(grid: Grid, impl_names: list[str], device: str, workers: int, log: Callable[[str], None],
+         cached: Callable[[str, Point], bool] | None = None) -> None:
+    jobs = jobs_of(grid, impl_names, cached)
     if not jobs or workers <= 0:
         return
     log(f"warm-up: {len(jobs)} compile jobs on {workers} processes")

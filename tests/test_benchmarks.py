@@ -209,6 +209,20 @@ def test_cached_anchor_rows_are_reused_and_marked(monkeypatch):
     assert runner.find_cached([cached], point, fla, "NVIDIA H200", versions) is None
 
 
+def test_warm_up_skips_what_cached_anchor_rows_answer():
+    from gdnkit.benchmarks.warm import jobs_of
+    quick = grids.get_grid("quick").select(passes=["fwd"])
+    names = ["fla", "gdnkit:triton_generic"]
+    every = jobs_of(quick, names)
+    assert {j[0] for j in every} == set(names) and all(j[4] for j in every)
+    # fla cached everywhere but at H=2 HV=8 1x2048: one fla job left, holding that one point
+    left = lambda name, p: name == "fla" and not (p.H == 2 and p.label == "1x2048")  # noqa: E731
+    jobs = jobs_of(quick, names, cached=left)
+    fla_jobs = [j for j in jobs if j[0] == "fla"]
+    assert len(fla_jobs) == 1 and [p.label for p in fla_jobs[0][4]] == ["1x2048"]
+    assert [j for j in jobs if j[0] != "fla"] == [j for j in every if j[0] != "fla"]
+
+
 def test_merge_replaces_same_key_keeps_others_drops_failed():
     def row(seq, impl, ms):
         return {"pass": "fwd", "H": 1, "HV": 2, "seqlens": seq, "B": None, "impl": impl, "kernel_ms": ms}
