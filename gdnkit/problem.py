@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from gdnkit import seqlayout
+
 CHUNK_MODE = "chunk"
 RECURRENT_MODE = "recurrent"
 
@@ -145,11 +147,11 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
         raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {cu_seqlens.dtype}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must hold at least 2 offsets [0, ..., T], got {cu_seqlens.numel()}")
-    # Reading the values costs a host sync on a GPU tensor; skip it while a CUDA graph is being
-    # captured (a sync would break the capture), where the caller vouches for the offsets.
+    # Reading the values costs a host sync on a GPU tensor, once per tensor (gdnkit.seqlayout keeps them);
+    # skip it while a CUDA graph is being captured, where the caller vouches for the offsets.
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    offsets = cu_seqlens.tolist()
+    offsets = seqlayout.host_offsets(cu_seqlens)
     if offsets[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={offsets[0]}")
     for i in range(1, len(offsets)):

@@ -156,9 +156,9 @@ def _emulate(q, k, v, g, beta, h0, cu, scale):
         out[:n] = x[0, t0:t0 + n]
         return out
 
-    from gdnkit.prep import chunk_indices, chunk_offsets
-    table = chunk_indices(cu, C).tolist()
-    offsets = chunk_offsets(cu, C).tolist()
+    from gdnkit.seqlayout import sequence_layout
+    layout = sequence_layout(cu)
+    table, offsets = layout.chunk_indices.tolist(), layout.chunk_offsets.tolist()
     w = torch.full((1, T, HV, Kd), float("nan"), dtype=torch.float64)  # never-written rows are garbage
     u = torch.full((1, T, HV, Vd), float("nan"), dtype=torch.float64)
     gamma = torch.full((HV, len(table), C), float("nan"), dtype=torch.float64)  # one row per table entry

@@ -11,8 +11,9 @@ from typing import Callable
 import torch
 
 from gdnkit.dispatch import Backend, Machine
-from gdnkit.prep import CHUNK, beta_activation, gate, l2norm, seq_bounds
+from gdnkit.prep import CHUNK, beta_activation, gate, l2norm
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
+from gdnkit.seqlayout import seq_bounds
 
 from .chunked import chunked_gdn
 from .recurrent import recurrent_gdn

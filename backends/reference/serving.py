@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gdnkit.prep import seq_bounds
+from gdnkit.seqlayout import seq_bounds
 from gdnkit.problem import GDNServingInputs, Problem
 
 from .backend import _pack, _unpack, apply_options

@@ -21,7 +21,7 @@ Exact algebra (no approximation). The products run in tf32 on tensor cores (fp32
 ~1e-3 relative, below the bf16 rounding T gets before W/U'. tf32 wgmma reads both operands K-major, so every
 right-hand operand is stored transposed in shared memory and the gemms use transpose_B=True.
 
-Varlen: the grid is the chunk table of gdnkit.prep.chunk_indices ([num_chunks, 2] = (sequence, chunk within
+Varlen: the grid is the chunk table of gdnkit.seqlayout ([num_chunks, 2] = (sequence, chunk within
 the sequence)). A tail chunk's TMA box reads rows past the sequence's end (the next sequence's tokens, or
 zeros past the tensor's end): those rows get beta = 0 and g = 0, which makes their rows of A, W and U' zero
 and leaves the valid rows exact; stores are masked to the valid rows.

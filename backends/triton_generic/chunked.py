@@ -14,7 +14,7 @@ import functools
 import torch
 import triton
 
-from gdnkit import prep
+from gdnkit import seqlayout
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
 
 from . import context_parallel, prologue
@@ -62,11 +62,8 @@ def make_index(B: int, T: int, cu_seqlens: torch.Tensor | None) -> Index:
     if cu_seqlens is None:
         nt = triton.cdiv(T, CHUNK)
         return Index(nt, B * nt, None, None)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    counts = (lengths + CHUNK - 1) // CHUNK
-    offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    table = prep.chunk_indices(cu_seqlens, CHUNK).to(torch.int32).contiguous()
-    return Index(table.shape[0], table.shape[0], table, offsets)
+    layout = seqlayout.sequence_layout(cu_seqlens)
+    return Index(layout.n_chunks, layout.n_chunks, layout.chunk_indices, layout.chunk_offsets[:-1])
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,9 +102,8 @@ def _segment_chunks(problem: Problem, cu_seqlens, sms: int) -> int | None:
         return None
     if cu_seqlens is None:
         longest = triton.cdiv(problem.T, CHUNK)
-    else:  # varlen already reads its offsets on the host; few sequences here, so this is cheap
-        offsets = cu_seqlens.tolist()
-        longest = max(triton.cdiv(e - s, CHUNK) for s, e in zip(offsets[:-1], offsets[1:]))
+    else:
+        longest = max(triton.cdiv(n, CHUNK) for n in seqlayout.sequence_layout(cu_seqlens).lengths)
     per_sequence = triton.cdiv(2 * sms, programs)
     seg = max(CP_MIN_SEGMENT_CHUNKS, triton.cdiv(longest, per_sequence))
     return seg if seg < longest else None
@@ -126,7 +122,7 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
     segments = None
     if seg:
         segments = (context_parallel.fixed_segments(problem.B, problem.T, seg, device) if cu_seqlens is None
-                    else context_parallel.varlen_segments(cu_seqlens, seg))
+                    else context_parallel.varlen_segments(seqlayout.sequence_layout(cu_seqlens), seg))
     n = segments.n_seg if segments is not None else problem.N
     programs = lambda bv: n * problem.HV * triton.cdiv(problem.V, bv)  # noqa: E731
     if not fusable:

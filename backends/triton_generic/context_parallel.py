@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gdnkit.seqlayout import SequenceLayout
+
 from ._common import CHUNK
 
 
@@ -109,7 +111,7 @@ def fixed_segments(B: int, T: int, seg_chunks: int, device: torch.device) -> Seg
     return _build([T] * B, [b * T for b in range(B)], seg_chunks, device)
 
 
-def varlen_segments(cu_seqlens: torch.Tensor, seg_chunks: int) -> Segments:
-    offsets = cu_seqlens.tolist()
-    return _build([e - s for s, e in zip(offsets[:-1], offsets[1:])], offsets[:-1], seg_chunks,
-                  cu_seqlens.device)
+@functools.lru_cache(maxsize=64)
+def varlen_segments(layout: SequenceLayout, seg_chunks: int) -> Segments:
+    """Cached per layout (itself cached per cu_seqlens tensor): a repeated call builds and copies nothing."""
+    return _build(layout.lengths, list(layout.offsets[:-1]), seg_chunks, layout.cu_seqlens.device)
