@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             by_name, gpu, versions = {i.name: i for i in impls}, gpu_name(device), environment_versions()
             cached = lambda name, point: (by_name[name].is_anchor  # noqa: E731
                                           and find_cached(cached_rows, point, by_name[name], gpu, versions) is not None)
-        warm(grid, [i.name for i in impls], str(device), args.warm_jobs, log_both, cached)
+        run["first_call_s"] = warm(grid, [i.name for i in impls], str(device), args.warm_jobs, log_both, cached)
     outcome = run_grid(cfg)
     rows = persist(outcome)
     details = report.load_json(details_path, report.empty_details())

@@ -133,6 +133,32 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
     return lines
 
 
+def first_call_table(details: dict) -> list[str]:
+    """Per implementation and head config, the newest run's warm-up seconds (cli --warm-jobs)."""
+    latest: dict[str, tuple[str, float]] = {}  # "impl|pass|H|HV" -> (date, seconds), newest run wins
+    for run in details.get("runs", []):
+        for key, seconds in (run.get("first_call_s") or {}).items():
+            latest[key] = (run.get("date", ""), seconds)
+    if not latest:
+        return []
+    out = ["## First call (compile)", "",
+           "Seconds for a fresh process to make its first calls at one head config: every sequence mix "
+           "the grid times there, with the kernels compiled then (or loaded, where the on-disk kernel cache "
+           "already held them). Taken from the parallel warm-up, so concurrent compiles share the CPU.", "",
+           "| impl | pass | H | HV | seconds | date |", "|---|---|---|---|---|---|"]
+    impls = _impl_order(key.split("|")[0] for key in latest)
+    passes = ("fwd", "bwd", "decode")
+
+    def order(key):
+        impl, p, H, HV = key.split("|")
+        return impls.index(impl), passes.index(p) if p in passes else len(passes), int(H), int(HV)
+    for key in sorted(latest, key=order):
+        impl, p, H, HV = key.split("|")
+        date, seconds = latest[key]
+        out.append(f"| {impl} | {p} | {H} | {HV} | {seconds:.0f} | {date} |")
+    return out + [""]
+
+
 def markdown(rows: list[dict], details: dict) -> str:
     rows = sort_rows(rows)
     gpus = sorted({r["gpu"] for r in rows})
@@ -169,6 +195,7 @@ def markdown(rows: list[dict], details: dict) -> str:
                 "—" if i not in v else f"{v[i]:.2e}" for i in impls) + " |")
         out.append("")
 
+    out += first_call_table(details)
     out += ["## Every row", "",
             "| pass | H | HV | seqlens | B | impl | kernel ms | eager ms | peak MiB | err vs ref | "
             "max diff vs first impl | timing | same-run anchor | date |",

@@ -33,8 +33,9 @@ def jobs_of(grid: Grid, impl_names: list[str], cached: Callable[[str, Point], bo
     return jobs
 
 
-def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[float, str | None]:
-    """Runs in a worker process: call what the timing will call, once per point."""
+def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[float, str | None, bool]:
+    """Runs in a worker process: call what the timing will call, once per point.
+    Returns (seconds, error or None, whether any point ran: an unsupported pass compiles nothing)."""
     import torch
 
     from .impls import Unsupported, resolve
@@ -42,10 +43,11 @@ def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[f
     from .runner import _closures
 
     start = time.monotonic()
+    ran = False
     try:
         (impl,) = resolve(impl_name, device)
         if impl.unavailable(device):
-            return time.monotonic() - start, None
+            return time.monotonic() - start, None, False
         for point in points:
             if impl.skip_reason(point):
                 continue
@@ -59,16 +61,20 @@ def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[f
                 continue
             if torch.device(device).type == "cuda":
                 torch.cuda.synchronize()
+            ran = True
     except Exception as exc:  # reported, and the timing run measures (and records) it again
-        return time.monotonic() - start, f"{type(exc).__name__}: {exc}"
-    return time.monotonic() - start, None
+        return time.monotonic() - start, f"{type(exc).__name__}: {exc}", ran
+    return time.monotonic() - start, None, ran
 
 
 def warm(grid: Grid, impl_names: list[str], device: str, workers: int, log: Callable[[str], None],
-         cached: Callable[[str, Point], bool] | None = None) -> None:
+         cached: Callable[[str, Point], bool] | None = None) -> dict[str, float]:
+    """Returns each job's seconds, keyed "impl|pass|H|HV": a fresh process's first calls of that head config,
+    i.e. the compile time (or the load time, where the on-disk kernel caches were warm already)."""
     jobs = jobs_of(grid, impl_names, cached)
+    seconds_of: dict[str, float] = {}
     if not jobs or workers <= 0:
-        return
+        return seconds_of
     log(f"warm-up: {len(jobs)} compile jobs on {workers} processes")
     start = time.monotonic()
     # spawn, not fork: CUDA cannot be used in a forked child of a process that touched it.
@@ -79,8 +85,11 @@ def warm(grid: Grid, impl_names: list[str], device: str, workers: int, log: Call
         for future in concurrent.futures.as_completed(futures):
             name, pass_, H, HV = futures[future]
             try:
-                seconds, error = future.result()
+                seconds, error, ran = future.result()
             except Exception as exc:  # a worker that died (e.g. out of memory) must not stop the run
-                seconds, error = float("nan"), f"worker died: {type(exc).__name__}: {exc}"
+                seconds, error, ran = float("nan"), f"worker died: {type(exc).__name__}: {exc}", False
             log(f"  warm {name} {pass_} H={H} HV={HV}: {seconds:.0f} s" + (f" ({error[:300]})" if error else ""))
+            if ran and not error:
+                seconds_of[f"{name}|{pass_}|{H}|{HV}"] = round(seconds, 1)
     log(f"warm-up done in {time.monotonic() - start:.0f} s")
+    return seconds_of

@@ -223,6 +223,15 @@ def test_warm_up_skips_what_cached_anchor_rows_answer():
     assert [j for j in jobs if j[0] != "fla"] == [j for j in every if j[0] != "fla"]
 
 
+def test_warm_job_says_whether_anything_ran(monkeypatch):
+    from gdnkit.benchmarks.warm import _warm_job
+    monkeypatch.setattr(timing, "MIN_REPS", 3)
+    points = tuple(grids.get_grid("tiny").select(passes=["fwd"], heads=[(1, 2)]).points)
+    seconds, error, ran = _warm_job("gdnkit:reference", points, "cpu")
+    assert error is None and ran and seconds > 0
+    assert _warm_job("gdnkit:tilelang_sm90", points, "cpu")[1:] == (None, False)  # cannot run here
+
+
 def test_merge_replaces_same_key_keeps_others_drops_failed():
     def row(seq, impl, ms):
         return {"pass": "fwd", "H": 1, "HV": 2, "seqlens": seq, "B": None, "impl": impl, "kernel_ms": ms}
@@ -268,6 +277,20 @@ def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
     assert extras["fwdbwd_ms"] > extras["fwd_train_ms"] and bwd["kernel_ms"] == pytest.approx(
         extras["fwdbwd_ms"] - extras["fwd_train_ms"])
     assert cli.main(["--out", str(out), "--report-only"]) == 0
+
+
+def test_first_call_table_takes_the_newest_run():
+    details = {"runs": [{"id": "a", "date": "2026-11-28", "first_call_s": {"fla|fwd|2|8": 70.0,
+                                                                          "gdnkit:tilelang_sm90|fwd|2|8": 40.0}},
+                        {"id": "b", "date": "2026-11-29", "first_call_s": {"gdnkit:tilelang_sm90|fwd|2|8": 9.5,
+                                                                          "gdnkit:tilelang_sm90|bwd|4|8": 30.0}},
+                        {"id": "c", "date": "2026-11-30"}]}  # a run without warm-up changes nothing
+    lines = report.first_call_table(details)
+    body = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| impl")]
+    assert body == ["| fla | fwd | 2 | 8 | 70 | 2026-11-28 |",
+                    "| gdnkit:tilelang_sm90 | fwd | 2 | 8 | 10 | 2026-11-29 |",
+                    "| gdnkit:tilelang_sm90 | bwd | 4 | 8 | 30 | 2026-11-29 |"]
+    assert report.first_call_table({"runs": [{"id": "x"}]}) == []
 
 
 def test_report_ratios_and_chart(tmp_path):
