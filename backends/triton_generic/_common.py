@@ -36,15 +36,46 @@ def solve_unit_lower16(A, o16):
 
 
 @triton.jit
-def seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
-    """(bos, sequence length, chunk within the sequence) for a program of a per-chunk grid."""
+def chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """A program of a per-chunk grid: (bos, sequence length, chunk within the sequence, global chunk index,
+    the chunk's 64 row indices within the sequence, which of them lie inside it)."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + pid_t * 2).to(tl.int64)
         i_t = tl.load(chunk_indices + pid_t * 2 + 1).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        i_c = pid_t.to(tl.int64)
     else:
         bos = i_b.to(tl.int64) * T
         length = T.to(tl.int64) + 0 * bos
         i_t = pid_t.to(tl.int64)
-    return bos, length, i_t
+        i_c = i_b.to(tl.int64) * tl.cdiv(T, 64) + pid_t
+    r = i_t * 64 + tl.arange(0, 64)
+    return bos, length, i_t, i_c, r, r < length
+
+
+@triton.jit
+def sequence_bounds(i_n, T, cu_seqlens, chunk_offsets, IS_VARLEN: tl.constexpr):
+    """A program of a per-sequence grid: (bos, sequence length, global index of its first chunk)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        length = T.to(tl.int64) + 0 * bos
+        boh = i_n.to(tl.int64) * tl.cdiv(T, 64)
+    return bos, length, boh
+
+
+@triton.jit
+def state_tile(i_v, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """The [K, BV] state tile i_v: its rows, its columns, the column mask, and its element offsets in a
+    [K, V] state (or a [V, K] one with state_v_first)."""
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    if STATE_V_FIRST:
+        s_off = cv[None, :] * K + ck[:, None]
+    else:
+        s_off = ck[:, None] * V + cv[None, :]
+    return ck, cv, cv < V, s_off

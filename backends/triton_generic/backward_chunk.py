@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import decay, dot_precision, seq_bounds
+from ._common import chunk_rows, decay, dot_precision
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64
@@ -25,16 +25,10 @@ def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_s
                           BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_k, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    if IS_VARLEN:
-        i_c = pid_t.to(tl.int64)
-    else:
-        i_c = i_b.to(tl.int64) * tl.cdiv(T, 64) + pid_t
+    bos, L, i_t, i_c, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     o64 = tl.arange(0, 64)
-    r = i_t * 64 + o64
-    m = r < L
     ck = i_k * BK + tl.arange(0, BK)
     hb = h + (i_c * HV + i_h) * K * V
     dhb = dh + (i_c * HV + i_h) * K * V

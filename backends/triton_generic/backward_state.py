@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import decay, dot_precision, seq_bounds
+from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -23,12 +23,10 @@ def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H: 
     out of the sequential pass to shorten its critical path and its register footprint."""
     i_v, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     o64 = tl.arange(0, 64)
-    r = i_t * 64 + o64
-    m = r < L
     qk = tl.zeros([64, 64], dtype=tl.float32)
     for ik in tl.static_range(0, K, BK):
         ck = ik + tl.arange(0, BK)
@@ -51,25 +49,12 @@ def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk
                           STATE_V_FIRST: tl.constexpr, STORE_DH: tl.constexpr, PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        L = T.to(tl.int64) + 0 * bos
-        boh = i_n.to(tl.int64) * tl.cdiv(T, 64)
+    bos, L, boh = sequence_bounds(i_n, T, cu_seqlens, chunk_offsets, IS_VARLEN)
     NT = tl.cdiv(L, 64)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
 
-    ck = tl.arange(0, K)
-    cv = i_v * BV + tl.arange(0, BV)
-    mv = cv < V
-    if STATE_V_FIRST:
-        s_off = cv[None, :] * K + ck[:, None]
-    else:
-        s_off = ck[:, None] * V + cv[None, :]
+    ck, cv, mv, s_off = state_tile(i_v, K, V, BV, STATE_V_FIRST)
     dS = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_DHT:
         dS += tl.load(dht + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0).to(tl.float32)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import decay, dot_precision, seq_bounds
+from ._common import chunk_rows, decay, dot_precision
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64
@@ -23,12 +23,10 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
                        BV: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     pid_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     o64 = tl.arange(0, 64)
-    r = i_t * 64 + o64
-    m = r < L
     tok = (bos + r) * HV + i_h
     tt = tl.load(tmat + tok[:, None] * 64 + o64[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     bt = tl.load(beta + tok, mask=m, other=0.0).to(tl.float32)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from gdnkit.seqlayout import SequenceLayout
 
-from ._common import CHUNK
+from ._common import CHUNK, state_tile
 
 
 @triton.jit
@@ -33,13 +33,7 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, PREC: tl.constexpr, HV:
     i_n, i_h = i_nh // HV, i_nh % HV
     s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
     s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
-    ck = tl.arange(0, K)
-    cv = i_v * BV + tl.arange(0, BV)
-    mv = cv < V
-    if STATE_V_FIRST:
-        s_off = cv[None, :] * K + ck[:, None]
-    else:
-        s_off = ck[:, None] * V + cv[None, :]
+    ck, cv, mv, s_off = state_tile(i_v, K, V, BV, STATE_V_FIRST)
     S = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0)

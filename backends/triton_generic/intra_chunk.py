@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import CHUNK, LOG2E, decay, dot_precision, seq_bounds, solve_unit_lower16
+from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision, solve_unit_lower16
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indice
                        CUMSUM: tl.constexpr, PREC: tl.constexpr):
     pid_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     t0 = i_t * 64
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
@@ -142,8 +142,6 @@ def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indice
     tl.debug_barrier()
 
     o64 = tl.arange(0, 64)
-    r = t0 + o64
-    m = r < L
     tt = tl.load(tb + r[:, None] * (HV * 64) + o64[None, :], mask=m[:, None], other=0.0)
     gg = tl.load(cb + r * HV, mask=m, other=0.0)
     bt = tl.load(bb + r * HV, mask=m, other=0.0).to(tl.float32)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import decay, dot_precision, seq_bounds
+from ._common import chunk_rows, decay, dot_precision
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -16,16 +16,10 @@ def output_kernel(q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t = seq_bounds(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    if IS_VARLEN:
-        i_c = pid_t.to(tl.int64)
-    else:
-        i_c = i_b.to(tl.int64) * tl.cdiv(T, 64) + pid_t
+    bos, L, i_t, i_c, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     o64 = tl.arange(0, 64)
-    r = i_t * 64 + o64
-    m = r < L
     cv = i_v * BV + tl.arange(0, BV)
     mv = cv < V
     qb = q + bos * H * K + i_hk * K

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import decay, dot_precision
+from ._common import decay, dot_precision, sequence_bounds, state_tile
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -22,25 +22,12 @@ def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_of
                       FUSE_OUTPUT: tl.constexpr, PROPAGATOR: tl.constexpr, PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        L = T.to(tl.int64) + 0 * bos
-        boh = i_n.to(tl.int64) * tl.cdiv(T, 64)
+    bos, L, boh = sequence_bounds(i_n, T, cu_seqlens, chunk_offsets, IS_VARLEN)
     NT = tl.cdiv(L, 64)
     i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
 
-    ck = tl.arange(0, K)
-    cv = i_v * BV + tl.arange(0, BV)
-    mv = cv < V
-    if STATE_V_FIRST:
-        s_off = cv[None, :] * K + ck[:, None]
-    else:
-        s_off = ck[:, None] * V + cv[None, :]
+    ck, cv, mv, s_off = state_tile(i_v, K, V, BV, STATE_V_FIRST)
     S = tl.zeros([K, BV], dtype=tl.float32)
     if PROPAGATOR:
         # columns V..V+K-1 carry the identity with U' = 0: they evolve into the segment's transition
