@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision
+from ._common import chunk_rows, decay, dot_precision, packed_output
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64
@@ -93,12 +93,8 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     BV = min(64, triton.next_power_of_2(V))
     NK = triton.cdiv(K, BK)
     dev = q.device
-    # varlen offsets may end before T; tokens past the end get zeros
-    alloc = torch.zeros if cu_seqlens is not None else torch.empty
-    dq = alloc(B, T, HV, K, device=dev, dtype=torch.float32)
-    dk = alloc(B, T, HV, K, device=dev, dtype=torch.float32)
-    dw = alloc(B, T, HV, K, device=dev, dtype=torch.float32)
-    dgp = alloc(NK, B, T, HV, device=dev, dtype=torch.float32)
+    dq, dk, dw = (packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(3))
+    dgp = packed_output((NK, B, T, HV), cu_seqlens, token_dim=2, device=dev, dtype=torch.float32)
     backward_chunk_kernel[(NK, grid_t, B * HV)](
         q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
+from ._common import chunk_rows, decay, dot_precision, packed_output, sequence_bounds, state_tile
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -99,8 +99,7 @@ def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
     B, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     BV = min(64, triton.next_power_of_2(V))
-    # varlen offsets may end before T; tokens past the end get zeros
-    du = (torch.zeros if cu_seqlens is not None else torch.empty)(do.shape, device=q.device, dtype=torch.float32)
+    du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=torch.float32)
     local_du_kernel[(triton.cdiv(V, BV), grid_t, B * HV)](
         q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype), num_warps=8)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision
+from ._common import chunk_rows, decay, dot_precision, packed_output
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64
@@ -103,11 +103,9 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     BK = min(BLOCK_K, K)
     BV = min(BLOCK_V, triton.next_power_of_2(V))
     dev = k.device
-    alloc = torch.zeros if cu_seqlens is not None else torch.empty
     dk = dkp  # each program reads its tile of the partial before writing the sum there
-    dv = alloc(v.shape, device=dev, dtype=v.dtype)
-    dbeta = alloc(B, T, HV, device=dev, dtype=torch.float32)
-    dg = alloc(B, T, HV, device=dev, dtype=torch.float32)
+    dv = packed_output(v.shape, cu_seqlens, device=dev, dtype=v.dtype)
+    dbeta, dg = (packed_output((B, T, HV), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(2))
     backward_wy_kernel[(grid_t, B * HV)](
         k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,

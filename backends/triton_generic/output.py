@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision
+from ._common import chunk_rows, decay, dot_precision, packed_output
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -50,8 +50,7 @@ def output(q, k, vnew, h, gcum, scale, T, grid_t, cu_seqlens, chunk_indices):
     HV, V = vnew.shape[2], vnew.shape[3]
     BK = min(64, K)
     BV = min(64, triton.next_power_of_2(V))
-    # varlen offsets may end before T; tokens past the end get zeros
-    o = torch.zeros_like(vnew) if cu_seqlens is not None else torch.empty_like(vnew)
+    o = packed_output(vnew.shape, cu_seqlens, device=vnew.device, dtype=vnew.dtype)
     output_kernel[(triton.cdiv(V, BV), grid_t, B * HV)](
         q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),

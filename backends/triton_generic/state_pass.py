@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import decay, dot_precision, sequence_bounds, state_tile
+from ._common import decay, dot_precision, packed_output, sequence_bounds, state_tile
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -88,7 +88,7 @@ def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_c
     dev = k.device
     h = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store_h else None
     vnew = torch.empty_like(u) if store_vnew else None
-    o = (torch.zeros_like(u) if cu_seqlens is not None else torch.empty_like(u)) if fuse_output else None
+    o = packed_output(u.shape, cu_seqlens, device=dev, dtype=u.dtype) if fuse_output else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=dev, dtype=torch.float32) if output_final_state else None
     columns = V
