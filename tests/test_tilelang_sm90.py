@@ -322,3 +322,31 @@ def test_intra_chunk_stage_matches_reference_trace():
     w_ref, u_ref = per_token(trace.W), per_token(trace.U_prime)
     assert _rel(got["w"], w_ref) <= 1e-2, f"W: {_rel(got['w'], w_ref):.2e}"
     assert _rel(got["u"], u_ref) <= 1e-2, f"U': {_rel(got['u'], u_ref):.2e}"
+
+
+@pytest.mark.gpu
+def test_public_api_fp16_options_and_trailing_tokens():
+    """Through gdnkit.chunk_gated_delta_rule with backend="tilelang_sm90": fp16, the options run as the
+    PyTorch prologue (qk l2norm, gate from A_log/dt_bias, beta sigmoid), state_v_first, and tokens past
+    cu_seqlens[-1], whose output must be exactly zero."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    import gdnkit
+
+    dev, H, HV, T = "cuda", 4, 16, 300
+    cu = torch.tensor([0, 7, 150, 290], device=dev, dtype=torch.int32)  # 10 trailing tokens
+    gen = torch.Generator(device=dev).manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    call = dict(q=r(1, T, H, K).half(), k=r(1, T, H, K).half(), v=r(1, T, HV, V).half(), g=r(1, T, HV),
+                beta=r(1, T, HV), initial_state=r(3, HV, V, K) * 0.1, output_final_state=True, cu_seqlens=cu,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
+                use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    with torch.no_grad():
+        o, ht = gdnkit.chunk_gated_delta_rule(**call, backend="tilelang_sm90")
+        d = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in call.items()}
+        ref_o, ref_ht = gdnkit.chunk_gated_delta_rule(**d, backend="reference")
+    assert o.dtype == torch.float16 and ht.shape == (3, HV, V, K)
+    assert _rel(o[:, :290], ref_o[:, :290]) <= BF16_FWD_BAR, f"o: {_rel(o[:, :290], ref_o[:, :290]):.2e}"
+    assert _rel(ht, ref_ht) <= BF16_FWD_BAR, f"final state: {_rel(ht, ref_ht):.2e}"
+    assert o[:, 290:].abs().max() == 0
