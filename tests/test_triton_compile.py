@@ -29,6 +29,7 @@ KERNELS = {
     "backward_chunk": ("backward_chunk", "backward_chunk_kernel", dict(HEADS, BK=64, BV=64)),
     "backward_wy": ("backward_wy", "backward_wy_kernel", dict(HEADS, BK=64, BV=64, NK=2)),
     "intra_chunk": ("intra_chunk", "intra_chunk_kernel", dict(HEADS, BK=64, BV=64, CUMSUM=True)),
+    "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
                           REVERSE=False)),

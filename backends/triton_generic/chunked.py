@@ -40,6 +40,7 @@ class Saved:
     v: torch.Tensor
     gcum: torch.Tensor
     beta: torch.Tensor
+    tmat: torch.Tensor | None  # T = (I + A)^-1 per chunk (as FLA keeps its A): the backward recomputes only W, U'
     h0: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     index: Index
@@ -181,9 +182,11 @@ def forward(problem: Problem, inputs: GDNInputs):
             ht = h0.clone() if h0 is not None else torch.zeros(problem.state_shape, device=v.device,
                                                                dtype=torch.float32)
         gcum = torch.zeros(g.shape, device=g.device, dtype=torch.float32)
+        tmat = None
     else:
         gcum, tmat, w, u = intra_chunk(k, v, g, beta, T, index.grid_t, cu, index.chunk_indices)
-        del tmat
+        if not problem.needs_grad:
+            tmat = None  # inference: free it before the state pass
         p = plan(problem, cu, v.device)
         o, h, vnew, ht, _ = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=not p.fuse_output,
                                     want_ht=problem.output_final_state)
@@ -191,7 +194,7 @@ def forward(problem: Problem, inputs: GDNInputs):
             o = output(q, k, vnew, h, gcum, problem.scale, T, index.grid_t, cu, index.chunk_indices)
     saved = None
     if problem.needs_grad:
-        saved = Saved(q, k, v, gcum, beta, h0, cu, index, stash, A_log, dt_bias, dtypes)
+        saved = Saved(q, k, v, gcum, beta, tmat, h0, cu, index, stash, A_log, dt_bias, dtypes)
     return o, ht, saved
 
 
@@ -213,7 +216,8 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         if problem.has_initial_state:
             dh0 = dht.clone() if dht is not None else torch.zeros(problem.state_shape, device=q.device)
     else:
-        _, tmat, w, u = intra_chunk(k, v, None, beta, T, index.grid_t, cu, index.chunk_indices, gcum=gcum)
+        _, tmat, w, u = intra_chunk(k, v, None, beta, T, index.grid_t, cu, index.chunk_indices, gcum=gcum,
+                                    tmat=saved.tmat)
         p = plan(problem, cu, v.device, fusable=False)
         _, h, vnew, _, aug = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=True, want_ht=False)
         del u

@@ -18,18 +18,10 @@ def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
     return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
-@triton.jit(do_not_specialize=["T"])
-def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       CUMSUM: tl.constexpr, PREC: tl.constexpr):
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    t0 = i_t * 64
-    i_hk = i_h // (HV // H)
-    dt = k.dtype.element_ty
-
+@triton.jit
+def _solve_chunk(k, g, beta, gcum, tmat, bos, L, t0, i_h, i_hk, H: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, BK: tl.constexpr, CUMSUM: tl.constexpr, PREC: tl.constexpr):
+    """gamma (stored as gcum when CUMSUM, else read from it), A, and T = (I + A)^-1 stored to tmat."""
     o16 = tl.arange(0, 16)
     r0, r1, r2, r3 = t0 + o16, t0 + 16 + o16, t0 + 32 + o16, t0 + 48 + o16
     m0, m1, m2, m3 = r0 < L, r1 < L, r2 < L, r3 < L
@@ -138,9 +130,17 @@ def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indice
     tl.store(tb + r3[:, None] * (HV * 64) + 16 + ca[None, :], t31.to(tmat.dtype.element_ty), mask=m3[:, None])
     tl.store(tb + r3[:, None] * (HV * 64) + 32 + ca[None, :], t32.to(tmat.dtype.element_ty), mask=m3[:, None])
     tl.store(tb + r3[:, None] * (HV * 64) + 48 + ca[None, :], t33.to(tmat.dtype.element_ty), mask=m3[:, None])
-    # the 64x64 T is read back whole so W and U' are single full-size products
-    tl.debug_barrier()
 
+
+@triton.jit
+def _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_hk, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """W = T diag(beta Gamma) K and U' = T diag(beta) V from the stored T (tmat) and gamma (gcum)."""
+    dt = k.dtype.element_ty
+    kb = k + bos * H * K + i_hk * K
+    cb = gcum + bos * HV + i_h
+    bb = beta + bos * HV + i_h
+    tb = tmat + (bos * HV + i_h) * 64
     o64 = tl.arange(0, 64)
     tt = tl.load(tb + r[:, None] * (HV * 64) + o64[None, :], mask=m[:, None], other=0.0)
     gg = tl.load(cb + r * HV, mask=m, other=0.0)
@@ -163,21 +163,52 @@ def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indice
         tl.store(ub + r[:, None] * (HV * V) + cv[None, :], uu.to(dt), mask=m[:, None] & mv[None, :])
 
 
-def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None):
-    """Launch over (chunks, B*HV). g is the raw per-token log gate unless gcum (log2 units) is given.
+@triton.jit(do_not_specialize=["T"])
+def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       CUMSUM: tl.constexpr, PREC: tl.constexpr):
+    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_hk = i_h // (HV // H)
+    _solve_chunk(k, g, beta, gcum, tmat, bos, L, i_t * 64, i_h, i_hk, H, HV, K, BK, CUMSUM, PREC)
+    # the 64x64 T is read back whole so W and U' are single full-size products
+    tl.debug_barrier()
+    _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_hk, H, HV, K, V, BK, BV, PREC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """The second half alone, from a T the forward kept (the backward's recomputation of W and U')."""
+    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_h // (HV // H), H, HV, K, V, BK, BV, PREC)
+
+
+def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, tmat=None):
+    """Launch over (chunks, B*HV). g is the raw per-token log gate unless gcum (log2 units) is given. With
+    tmat (T as an earlier call returned it, gcum given too) only W and U' are recomputed from it.
 
     Returns (gcum [B,T,HV] fp32 log2 units, T matrices [B,T,HV,64] in k's dtype, W [B,T,HV,K], U' [B,T,HV,V])."""
     B, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
+    w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
+    u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
+    shapes = dict(H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=min(64, triton.next_power_of_2(V)),
+                  IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(k.dtype), num_warps=8)  # 4 warps spill at K=128
+    if tmat is not None:
+        assert gcum is not None
+        w_u_kernel[(grid_t, B * HV)](k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, **shapes)
+        return gcum, tmat, w, u
     cumsum = gcum is None
     if cumsum:
         gcum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
     # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
     tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
-    w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
-    u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
-    intra_chunk_kernel[(grid_t, B * HV)](
-        k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
-        H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=cu_seqlens is not None,
-        CUMSUM=cumsum, PREC=dot_precision(k.dtype), num_warps=8)  # 4 warps spill at K = 128
+    intra_chunk_kernel[(grid_t, B * HV)](k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
+                                         CUMSUM=cumsum, **shapes)
     return gcum, tmat, w, u
