@@ -50,3 +50,16 @@ def make_inputs(B=1, T=70, H=2, HV=4, K=16, V=8, dtype=torch.float64, device="cp
     out = dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g), beta=cast(beta))
     out["initial_state"] = None if h0 is None else h0.to(device=device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     return out
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / empty_like / new_empty hand out NaN-filled floating tensors: an output row no kernel
+    writes (and nothing zeroes) shows up as NaN instead of as whatever zeros the allocator had."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))

@@ -350,3 +350,90 @@ def test_public_api_fp16_options_and_trailing_tokens():
     assert _rel(o[:, :290], ref_o[:, :290]) <= BF16_FWD_BAR, f"o: {_rel(o[:, :290], ref_o[:, :290]):.2e}"
     assert _rel(ht, ref_ht) <= BF16_FWD_BAR, f"final state: {_rel(ht, ref_ht):.2e}"
     assert o[:, 290:].abs().max() == 0
+
+
+# ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
+def _intra_stand_in(k, v, g, beta, cu, table, w, u, gamma):
+    """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, W and U' rows."""
+    grp = v.shape[2] // k.shape[2]
+    for row, (seq, ic) in enumerate(table.tolist()):
+        t0 = int(cu[seq]) + ic * 64
+        n = min(int(cu[seq + 1]) - t0, 64)
+        for hv in range(v.shape[2]):
+            kk, vv = k[0, t0:t0 + n, hv // grp].double(), v[0, t0:t0 + n, hv].double()
+            gs, bs = g[0, t0:t0 + n, hv].double().cumsum(0), beta[0, t0:t0 + n, hv].double()
+            i = torch.arange(n)
+            A = torch.where(i[:, None] > i[None, :], (kk @ kk.T) * bs[:, None] * torch.exp(gs[:, None] - gs[None, :]), 0.0)
+            Tm = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
+            w[0, t0:t0 + n, hv] = (Tm @ (kk * (bs * gs.exp())[:, None])).to(w.dtype)
+            u[0, t0:t0 + n, hv] = (Tm @ (vv * bs[:, None])).to(u.dtype)
+            gamma[hv, row, :n] = gs.float()
+            gamma[hv, row, n:] = gs[-1].float()
+
+
+def _state_stand_in(has_h0, store_ht):
+    """What the state/output kernel writes: O rows of every sequence (of cu), final states if asked."""
+    def run(q, k, w, u, gamma, cu, chunk_offsets, h0, o, ht, scale):
+        grp = u.shape[2] // k.shape[2]
+        for n in range(cu.numel() - 1):
+            bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
+            for hv in range(u.shape[2]):
+                S = h0[n, hv].double() if has_h0 else torch.zeros(k.shape[-1], u.shape[-1], dtype=torch.float64)
+                for ic in range(-(-(eos - bos) // 64)):
+                    t0 = bos + ic * 64
+                    m = min(eos - t0, 64)
+                    qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
+                    ww, up = w[0, t0:t0 + m, hv].double(), u[0, t0:t0 + m, hv].double()
+                    gs = gamma[hv, c0 + ic, :m].double()
+                    i = torch.arange(m)
+                    U = up - ww @ S
+                    P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
+                    o[0, t0:t0 + m, hv] = (scale * ((qq @ S) * gs.exp()[:, None] + P @ U)).to(o.dtype)
+                    S = S * gs[-1].exp() + kk.T @ (U * torch.exp(gs[-1] - gs)[:, None])
+                if store_ht:
+                    ht[n, hv] = S.float()
+    return run
+
+
+@pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
+def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
+    """Everything forward() does around its two launches, checked on a CPU: the packed view of dense and
+    varlen batches, the cached layout's tables, outputs allocated empty (poisoned here) with only the
+    tokens past cu_seqlens[-1] zeroed, initial/final states in both layouts, no-token batches. The
+    TileLang kernels are replaced by float64 stand-ins of what they write."""
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
+    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
+
+    gen = torch.Generator().manual_seed(2)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    H, HV = 1, 2
+    svf = case == "varlen-trailing-state-v-first"
+    B, T, lengths = {"dense": (2, 100, None), "varlen-trailing-state-v-first": (1, 589, [130, 0, 451, 3]),
+                     "no-tokens": (1, 6, [0, 0])}[case]
+    N = B if lengths is None else len(lengths)
+    q = F.normalize(r(B, T, H, K), dim=-1).half()
+    k = F.normalize(r(B, T, H, K), dim=-1).half()
+    v, g, beta = r(B, T, HV, V).half(), F.logsigmoid(r(B, T, HV)) * 0.2, torch.rand(B, T, HV, generator=gen)
+    h0 = r(N, HV, K, V) * 0.1
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu, state_v_first=svf)
+    o, ht = fwd.forward(problem, inputs)
+    d = lambda t: t.double()  # noqa: E731
+    p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                               output_final_state=True, cu_seqlens=cu, state_v_first=svf)
+    ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    assert o.shape == v.shape and o.dtype == v.dtype and ht.shape == h0.shape and ht.dtype == torch.float32
+    assert not o.isnan().any() and not ht.isnan().any()
+    if case == "no-tokens":
+        assert o.abs().max() == 0 and torch.equal(ht, h0)
+    else:
+        assert _rel(o, ref_o) < 2e-3 and _rel(ht, ref_ht) < 1e-3
+    if lengths is not None:
+        assert o[:, sum(lengths):].abs().max() == 0
+

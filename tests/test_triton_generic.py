@@ -125,19 +125,6 @@ def test_varlen_fused_no_initial_state():
     check(make_call(193, 1, 3, 32, 32, lengths=[0, 64, 129], initial_state=False), fuse="always")
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty / empty_like / new_empty hand out NaN-filled floating tensors: an output row no kernel
-    writes (and nothing zeroes) shows up as NaN instead of as whatever zeros the allocator had."""
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
-
-
 @pytest.mark.parametrize("fuse", ["always", "never"])
 def test_varlen_tokens_past_the_last_offset_get_zero(fuse, poisoned_empty):
     """Every output row of every sequence is written by a kernel, and only the tokens past cu_seqlens[-1]
