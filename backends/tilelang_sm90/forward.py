@@ -108,7 +108,6 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     # packed form [1, B*T]; the chunk tables come from the layout cache (no host read after the first call
     # with a given cu_seqlens tensor, none at all for a dense batch)
     layout = seqlayout.dense_layout(B, T, dev) if cu is None else seqlayout.sequence_layout(cu)
-    cu = layout.cu_seqlens
     total = B * T
     q, k = (x.reshape(1, total, H, K).contiguous() for x in (q, k))
     v = v.reshape(1, total, HV, V).contiguous()
@@ -117,10 +116,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         h0 = h0.float()
         h0 = (h0.transpose(-1, -2) if problem.state_v_first else h0).contiguous()
 
-    # the kernels write every token of every sequence; tokens past cu_seqlens[-1] belong to none and get 0
-    # (as the reference's). Zero-filling all of o instead costs a full extra pass (0.16 ms at 16/64 1x32768)
-    o = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
-    o[:, layout.offsets[-1]:].zero_()
+    # the kernels write every token of every sequence; tokens past cu_seqlens[-1] get 0, as the reference's
+    o = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=v.dtype)
     chunk_table = layout.chunk_indices
     if layout.n_chunks == 0:  # no tokens in any sequence: nothing to launch
         ht = None
@@ -132,7 +129,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
         gamma = torch.empty(HV, layout.n_chunks, CHUNK, device=dev, dtype=torch.float32)
-        intra_chunk_kernel(H, HV, dt)(k, v, g, beta, cu, chunk_table, w, u, gamma)
+        intra_chunk_kernel(H, HV, dt)(k, v, g, beta, layout.cu_seqlens, chunk_table, w, u, gamma)
         if intermediates is not None:
             intermediates.update(w=w, u=u, gamma=gamma.reshape(HV, -1))
 
@@ -144,7 +141,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         ht_arg = ht if ht is not None else placeholder
         kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
                                      _plan_block_v(N, HV, dev))
-        kernel(q, k, w, u, gamma, cu, layout.chunk_offsets, h0_arg, o, ht_arg, float(problem.scale))
+        kernel(q, k, w, u, gamma, layout.cu_seqlens, layout.chunk_offsets, h0_arg, o, ht_arg, float(problem.scale))
 
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:

@@ -5,23 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gdnkit import seqlayout
-
 CHUNK = 64
 LOG2E = tl.constexpr(1.4426950408889634)  # a jit-visible global must be constexpr
-
-def packed_output(shape, cu_seqlens: torch.Tensor | None, *, token_dim: int = 1, **kwargs) -> torch.Tensor:
-    """An output the kernels write at every token of every sequence: allocated empty, and for varlen inputs
-    only the tokens past cu_seqlens[-1] (no sequence's; their outputs and gradients are zero) are zeroed.
-    Zero-filling all of it would cost one more full pass over the tensor. Offsets count tokens over the
-    batch and token dims together (context parallelism runs dense [B, T] inputs as packed segments)."""
-    out = torch.empty(shape, **kwargs)
-    if cu_seqlens is not None:
-        batch_dim = token_dim - 1
-        tokens = out.flatten(batch_dim, token_dim)
-        end = seqlayout.host_offsets(cu_seqlens)[-1]
-        tokens.narrow(batch_dim, end, tokens.shape[batch_dim] - end).zero_()
-    return out
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision, packed_output
+from gdnkit.seqlayout import packed_output
+
+from ._common import chunk_rows, decay, dot_precision
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64

@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision, packed_output, sequence_bounds, state_tile
+from gdnkit.seqlayout import packed_output
+
+from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
 
 
 @triton.jit(do_not_specialize=["T"])

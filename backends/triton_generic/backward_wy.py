@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision, packed_output
+from gdnkit.seqlayout import packed_output
+
+from ._common import chunk_rows, decay, dot_precision
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64

@@ -94,17 +94,19 @@ def _widest(K: int, V: int) -> int:
     return min(32 if K > 128 else 64, triton.next_power_of_2(V))
 
 
-def _segment_chunks(problem: Problem, cu_seqlens, sms: int) -> int | None:
+def _layout(problem: Problem, cu_seqlens, device: torch.device) -> seqlayout.SequenceLayout:
+    return seqlayout.dense_layout(problem.B, problem.T, device) if cu_seqlens is None \
+        else seqlayout.sequence_layout(cu_seqlens)
+
+
+def _segment_chunks(problem: Problem, cu_seqlens, device: torch.device, sms: int) -> int | None:
     if CP_SEGMENT_CHUNKS is not None:
         return CP_SEGMENT_CHUNKS or None
     programs = problem.N * problem.HV * triton.cdiv(problem.V, _widest(problem.K, problem.V))
     # the segment scan holds P [K, K] in fp32 on chip: fine to K = 128, too big at 256
     if sms == 0 or 2 * programs > sms or problem.K > 128:
         return None
-    if cu_seqlens is None:
-        longest = triton.cdiv(problem.T, CHUNK)
-    else:
-        longest = max(triton.cdiv(n, CHUNK) for n in seqlayout.sequence_layout(cu_seqlens).lengths)
+    longest = max(triton.cdiv(n, CHUNK) for n in _layout(problem, cu_seqlens, device).lengths)
     per_sequence = triton.cdiv(2 * sms, programs)
     seg = max(CP_MIN_SEGMENT_CHUNKS, triton.cdiv(longest, per_sequence))
     return seg if seg < longest else None
@@ -119,11 +121,8 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
     work behind the recurrence; it pays only once the programs about cover the SMs at the widest block."""
     widest = _widest(problem.K, problem.V)
     sms = SM_COUNT if SM_COUNT is not None else (_sm_count(device.index or 0) if device.type == "cuda" else 0)
-    seg = _segment_chunks(problem, cu_seqlens, sms)
-    segments = None
-    if seg:
-        segments = (context_parallel.fixed_segments(problem.B, problem.T, seg, device) if cu_seqlens is None
-                    else context_parallel.varlen_segments(seqlayout.sequence_layout(cu_seqlens), seg))
+    seg = _segment_chunks(problem, cu_seqlens, device, sms)
+    segments = context_parallel.cut_segments(_layout(problem, cu_seqlens, device), seg) if seg else None
     n = segments.n_seg if segments is not None else problem.N
     programs = lambda bv: n * problem.HV * triton.cdiv(problem.V, bv)  # noqa: E731
     if not fusable:

@@ -81,31 +81,23 @@ class Segments:
     seg_offsets: torch.Tensor     # [N + 1] first segment of every real sequence
 
 
-def _build(lengths: list[int], starts: list[int], seg_chunks: int, device) -> Segments:
+@functools.lru_cache(maxsize=64)
+def cut_segments(layout: SequenceLayout, seg_chunks: int) -> Segments:
+    """Cached per layout (itself cached per cu_seqlens tensor, or per shape for a dense batch): a repeated
+    call builds and copies nothing."""
     # Sequences are packed back to back, so segments are too: segment i ends where i+1 starts, and the
     # starts plus the last end form an ordinary cu_seqlens over the segments.
     cu, chunk_off, seg_off = [], [], [0]
     chunk = 0
-    for start, length in zip(starts, lengths):
+    for start, length in zip(layout.offsets[:-1], layout.lengths):
         n_chunks = -(-length // CHUNK)
         for j in range(0, n_chunks, seg_chunks):
             cu.append(start + j * CHUNK)
             chunk_off.append(chunk + j)
         chunk += n_chunks
         seg_off.append(len(chunk_off))
-    cu.append(starts[-1] + lengths[-1] if starts else 0)
+    cu.append(layout.offsets[-1])
+    device = layout.cu_seqlens.device
     return Segments(len(chunk_off), torch.tensor(cu, dtype=torch.int32, device=device),
                     torch.tensor(chunk_off, dtype=torch.int32, device=device),
                     torch.tensor(seg_off, dtype=torch.int32, device=device))
-
-
-@functools.lru_cache(maxsize=64)
-def fixed_segments(B: int, T: int, seg_chunks: int, device: torch.device) -> Segments:
-    """Cached per shape so a fixed-length call builds no table (and syncs nothing) after the first."""
-    return _build([T] * B, [b * T for b in range(B)], seg_chunks, device)
-
-
-@functools.lru_cache(maxsize=64)
-def varlen_segments(layout: SequenceLayout, seg_chunks: int) -> Segments:
-    """Cached per layout (itself cached per cu_seqlens tensor): a repeated call builds and copies nothing."""
-    return _build(layout.lengths, list(layout.offsets[:-1]), seg_chunks, layout.cu_seqlens.device)

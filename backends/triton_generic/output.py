@@ -3,11 +3,12 @@ per-chunk states written by the state pass (the unfused path, for when the state
 the GPU)."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ._common import chunk_rows, decay, dot_precision, packed_output
+from gdnkit.seqlayout import packed_output
+
+from ._common import chunk_rows, decay, dot_precision
 
 
 @triton.jit(do_not_specialize=["T"])
