@@ -36,12 +36,11 @@ def _tilelang():
 def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import intra_chunk, state_output
-    if kind == "intra_chunk":
-        func, configs = intra_chunk.intra_chunk_program(H, HV, dtype), intra_chunk.PASS_CONFIGS
-    else:
-        func, configs = state_output.state_output_program(H, HV, dtype, **options), state_output.PASS_CONFIGS
-    return tilelang.compile(func, target=SM90, pass_configs=configs).get_kernel_source()
+    from gdnkit.backends.tilelang_sm90 import intra_chunk, state_output, state_output_ws
+    module = {"intra_chunk": intra_chunk, "state_output": state_output, "state_output_ws": state_output_ws}[kind]
+    program = module.intra_chunk_program if kind == "intra_chunk" else module.state_output_program
+    return tilelang.compile(program(H, HV, dtype, **options), target=SM90,
+                            pass_configs=module.PASS_CONFIGS).get_kernel_source()
 
 
 def _assert_hopper_paths(src: str):
@@ -61,15 +60,21 @@ def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
     assert "kTensorFloat32" in src
 
 
-# every V tile the forward can pick (forward.THREADS: BV = 128 runs two consumer warpgroups)
+# every V tile the forward can pick: 32 and 64 run the three-warpgroup kernel, 128 the pipelined one
 @pytest.mark.parametrize("H,HV,dtype,h0,ht,bv", [(2, 8, "bfloat16", True, True, 64),
                                                  (16, 64, "float16", False, False, 128),
                                                  (4, 16, "bfloat16", True, False, 32)])
 def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
     _tilelang()
-    from gdnkit.backends.tilelang_sm90.forward import THREADS
-    src = _source("state_output", H, HV, dtype, has_initial_state=h0, store_final_state=ht, block_v=bv,
-                  threads=THREADS[bv])
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    options = dict(has_initial_state=h0, store_final_state=ht, block_v=bv)
+    if bv in fwd.WS_BLOCK_V:
+        src = _source("state_output_ws", H, HV, dtype, **options)
+        # the roles' register budgets: the TMA producer gives registers back, the two consumers take them
+        assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
+    else:
+        src = _source("state_output", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
+                      threads=fwd.PIPELINED_THREADS)
     _assert_hopper_paths(src)
 
 
@@ -437,3 +442,97 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     if lengths is not None:
         assert o[:, sum(lengths):].abs().max() == 0
 
+
+@pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
+def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monkeypatch):
+    """The context-parallel forward's glue: segment plan, gamma gathered into the Triton kernels' per-token
+    log2 layout, triton_generic's propagator pass and segment scan (interpreted here), then the state pass
+    over segments from their initial states. The two TileLang kernels are replaced by float64 stand-ins
+    of their contracts, so this checks everything around them against the plain path and float64."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
+    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
+
+    gen = torch.Generator().manual_seed(1)
+    H, HV, T, N = 1, 2, sum(lengths) + 5, len(lengths)  # 5 tokens past the last sequence
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).half()
+    k = F.normalize(r(1, T, H, K), dim=-1).half()
+    v, g, beta = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * 0.2, torch.rand(1, T, HV, generator=gen)
+    h0 = r(N, HV, V, K) * 0.1 if state else None  # state_v_first layout
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu, state_v_first=True)
+    results = {}
+    for segs in (0, 2):
+        monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segs)
+        if segs:
+            layout = fwd.seqlayout.sequence_layout(cu)
+            assert fwd._segment_chunks(layout, HV, torch.device("cpu")) == 2
+        results[segs] = fwd.forward(problem, inputs)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                               output_final_state=True, cu_seqlens=cu, state_v_first=True)
+    ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    (o_plain, ht_plain), (o_cp, ht_cp) = results[0], results[2]
+    assert _rel(o_cp, o_plain) < 2e-3 and _rel(ht_cp, ht_plain) < 1e-3
+    assert _rel(o_cp, ref_o) < 2e-3 and _rel(ht_cp, ref_ht) < 1e-3
+    assert o_cp[:, sum(lengths):].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segment_chunks,T", [(None, 8200), (3, 8200), (None, 65536 + 37)],
+                         ids=["auto", "seg3", "auto-64k"])
+def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
+    """The forward with context parallelism (2/8, one sequence: auto dispatch cuts it into segments on an
+    H200) against float64, with an initial and a final state."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segment_chunks)
+    dev, H, HV = "cuda", 2, 8
+    gen = torch.Generator(device=dev).manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    v, g, beta = r(1, T, HV, V).to(torch.bfloat16), F.logsigmoid(r(1, T, HV)), torch.sigmoid(r(1, T, HV))
+    h0 = r(1, HV, K, V) * 0.1
+    cu = torch.tensor([0, T], device=dev)
+    with torch.no_grad():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu)
+        assert fwd._segment_chunks(fwd.seqlayout.sequence_layout(cu), HV, q.device)  # CP is on
+        o, ht = fwd.forward(problem, inputs)
+        d = lambda t: t.double()  # noqa: E731
+        p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                                   output_final_state=True, cu_seqlens=cu)
+        ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    assert _rel(o, ref_o) <= BF16_FWD_BAR, f"o: {_rel(o, ref_o):.2e}"
+    assert _rel(ht, ref_ht) <= BF16_FWD_BAR, f"final state: {_rel(ht, ref_ht):.2e}"
+
+
+@pytest.mark.parametrize("H,HV,lengths,expected", [
+    (2, 8, [32768], 64),        # 8 segments: 64 (segment, head) pairs, 128 output programs for 132 SMs
+    (2, 8, [2048], 8),          # the shortest segment allowed
+    (2, 8, [512], None),        # one segment would be the whole sequence
+    (4, 16, [32768], None),     # 4 V tiles x 16 heads x 3 SMs > 132: enough programs already
+    (2, 8, [4096] * 8, None),
+])
+def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    assert context_parallel.segment_chunks(seqlayout.sequence_layout(cu), HV, sms=132) == expected

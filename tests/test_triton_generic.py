@@ -328,7 +328,7 @@ GRAD_BOUNDS = {"dA_log": 5e-2, "ddt_bias": 5e-2}
 
 def _assert_bounds(errs):
     fwd = {n: e for n, e in errs.items() if n in ("o", "ht") and not e <= 5e-3}
-    grad = {n: e for n, e in errs.items() if n not in ("o", "ht") and not e <= GRAD_BOUNDS.get(n[1:], 1e-2)}
+    grad = {n: e for n, e in errs.items() if n not in ("o", "ht") and not e <= GRAD_BOUNDS.get(n, 1e-2)}
     assert not fwd and not grad, errs
 
 

@@ -1,4 +1,4 @@
-"""The sm90 chunked forward: two TileLang launches (intra_chunk.py, then state_output.py).
+"""The sm90 chunked forward: two TileLang launches, intra_chunk.py then the state pass fused with the output.
 
     forward(problem, inputs) -> (o [B, T, HV, V] in v's dtype, final state or None)
 
@@ -7,6 +7,15 @@ packed into [1, B*T], so one build serves both. Kernels are compiled once per (H
 options being initial/final state and the state pass's V tile (32/64/128, picked from N * HV against the
 SM count: at most three builds per key). Token count, sequence count and chunk count are symbolic
 (T.dynamic) in every kernel, and `scale` is a runtime argument.
+
+The state pass has two kernels, picked by the V tile (H200, 2026-11-29, JOURNAL.md session 3):
+- BV = 32 / 64 (fewer (sequence, head) pairs than SMs): state_output_ws.py, three warpgroups (TMA
+  producer, state chain, output), so chunk i's output overlaps chunk i + 1's state update. 16/64 1x32768:
+  1.60 -> 1.28 ms; 2/8 1x32768: 1.11 -> 0.83 ms.
+- BV = 128 (enough pairs to fill the SMs): state_output.py, one consumer pair on TileLang's pipeliner. Its
+  128-wide tile reads Q, K and W once per head; the three-warpgroup kernel does not fit 128 columns in
+  shared memory and was 4% slower at BV = 64 there (16/64 4096x8: 1.29 against 1.24 ms).
+Few long sequences also get context parallelism (context_parallel.py).
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue using gdnkit.prep's math.
@@ -18,6 +27,8 @@ import torch
 from gdnkit import prep, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
+from . import context_parallel
+
 CHUNK = 64
 # wgmma and TMA need the arch-specific sm_90a target (plain sm_90 has neither).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -26,10 +37,11 @@ TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Launch settings of the state pass, for tuning from benchmarks.
 # V tile per program: None = plan from the SM count (_plan_block_v), or force 32 / 64 / 128 (tests).
 BLOCK_V = None
-# consumer threads per V tile: S [128, BV] fp32 is BV/2 registers per thread per warpgroup; 128 x 128 needs two
-# warpgroups to stay spill-free (ptxas: 168 registers, no spills at 256; 240 at 128 threads for BV <= 64)
-THREADS = {32: 128, 64: 128, 128: 256}
-NUM_STAGES = 2    # TMA pipeline depth of the chunk loop
+WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output_ws.py)
+# the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
+# (ptxas: 168 registers, no spills at 256 threads)
+PIPELINED_THREADS = 256
+NUM_STAGES = 2    # its TMA pipeline depth
 # the state pass has N * HV * (V / BV) programs, each walking a whole sequence: narrower V tiles buy
 # parallelism when (sequences x heads) leave SMs idle (FlashQLA's rule: aim at ~70% of the SMs)
 TARGET_SM_FRACTION = 0.7
@@ -38,6 +50,14 @@ TARGET_SM_FRACTION = 0.7
 @functools.lru_cache(maxsize=16)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
+    if not context_parallel.available():
+        return None
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 0
+    return context_parallel.segment_chunks(layout, HV, sms)
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
@@ -55,14 +75,14 @@ def _jit():
     """The tilelang.jit wrappers, built on first use (importing this module needs no tilelang)."""
     import tilelang
 
-    from .intra_chunk import PASS_CONFIGS as INTRA_CONFIGS
-    from .intra_chunk import intra_chunk_program
-    from .state_output import PASS_CONFIGS as STATE_CONFIGS
-    from .state_output import state_output_program
+    from . import intra_chunk, state_output, state_output_ws
 
-    intra = tilelang.jit(intra_chunk_program, target=TARGET, pass_configs=INTRA_CONFIGS)
-    state = tilelang.jit(state_output_program, target=TARGET, pass_configs=STATE_CONFIGS)
-    return intra, state
+    def jit(module, program):
+        return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
+
+    return (jit(intra_chunk, intra_chunk.intra_chunk_program),
+            jit(state_output, state_output.state_output_program),
+            jit(state_output_ws, state_output_ws.state_output_program))
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,9 +93,13 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
-                        block_v: int = 64, num_stages: int = NUM_STAGES):
+                        block_v: int):
+    """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128."""
+    if block_v in WS_BLOCK_V:
+        return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
+                         block_v=block_v)
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                     block_v=block_v, num_stages=num_stages, threads=THREADS[block_v])
+                     block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS)
 
 
 def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
@@ -133,15 +157,23 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         if intermediates is not None:
             intermediates.update(w=w, u=u, gamma=gamma.reshape(HV, -1))
 
-        placeholder = None
-        if h0 is None or not problem.output_final_state:
-            placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
-        h0_arg = h0 if h0 is not None else placeholder
-        ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
-        ht_arg = ht if ht is not None else placeholder
-        kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
-                                     _plan_block_v(N, HV, dev))
-        kernel(q, k, w, u, gamma, layout.cu_seqlens, layout.chunk_offsets, h0_arg, o, ht_arg, float(problem.scale))
+        placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
+        seg = _segment_chunks(layout, HV, dev)
+        if seg:
+            # context parallelism: the segments' initial states first, then the output pass over segments
+            plan = context_parallel.plan_segments(layout, seg, total)
+            s0, ht = context_parallel.segment_states(plan, q, k, w, u, gamma, h0, float(problem.scale),
+                                                     layout.n_chunks, N, problem.output_final_state)
+            n_seg = plan.segments.n_seg
+            kernel = state_output_kernel(H, HV, dt, True, False, _plan_block_v(n_seg, HV, dev))
+            kernel(q, k, w, u, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
+                   float(problem.scale))
+        else:
+            ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
+            kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
+                                         _plan_block_v(N, HV, dev))
+            kernel(q, k, w, u, gamma, layout.cu_seqlens, layout.chunk_offsets, placeholder if h0 is None else h0, o,
+                   placeholder if ht is None else ht, float(problem.scale))
 
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:

@@ -1,0 +1,106 @@
+"""Context parallelism for the sm90 forward: few (sequence x value head) programs, long sequences.
+
+The state pass runs one program per (sequence, value head, V tile), each walking its whole sequence. At
+H=2 HV=8 with one sequence of 32768 tokens that is 32 programs at the narrowest V tile, for 132 SMs. So
+the sequences are cut into segments of `seg` chunks, and the pass runs per segment with the right initial
+state (ALGORITHM.md section 4):
+
+    1. propagator pass, per segment, from a zero state: S_end = P S_0 + E, giving [E | P]
+    2. scan over each sequence's segments: S_0 of segment j + 1 = P_j S_0 of j + E_j (and the final state)
+    3. the state pass fused with the output, per segment, from those S_0 (TileLang, state_output.py)
+
+Steps 1-2 reuse triton_generic's propagator pass and segment scan. Those are Triton kernels, measured
+and verified on the H200 as that backend's own context parallelism. The intra-chunk products feed them
+as they are: W and U' in the same layout, and gamma (natural log, one row per chunk) gathered per token
+into the log2 layout the Triton kernels read. Without triton installed, the forward runs without context
+parallelism.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from gdnkit.seqlayout import SequenceLayout
+
+CHUNK = 64
+LOG2E = 1.4426950408889634
+# None: decide from the SM count; 0: never; n: segments of n chunks whenever a sequence is longer (tests)
+SEGMENT_CHUNKS = None
+MIN_SEGMENT_CHUNKS = 8
+# Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program:
+# the propagator pass costs about two plain state passes, which pays only against a large idle fraction.
+SMS_PER_PROGRAM = 3
+
+
+def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
+    """Chunks per segment, or None for no context parallelism.
+
+    At most sms / 2 (segment, head) pairs in all, so the output pass over segments fits one wave (at its
+    64-wide V tile: two programs per pair, one per SM). Measured on the H200 (2/8, JOURNAL.md session 3):
+    more, shorter segments cost more than they give. The segment scan grows with their number while the
+    propagator pass barely shrinks, and one program past the SM count starts a second wave of the output
+    pass. 1x32768: 16 chunks a segment 0.83 ms, 64 chunks 0.73 ms, 57 chunks (144 programs) 0.94 ms;
+    1x8192: 16 chunks 0.21 ms, 8 chunks 0.24 ms."""
+    if SEGMENT_CHUNKS is not None:
+        return SEGMENT_CHUNKS or None
+    narrowest_programs = 4 * len(layout.lengths) * HV
+    if sms == 0 or narrowest_programs * SMS_PER_PROGRAM > sms:
+        return None
+    longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
+    per_sequence = max(1, sms // (2 * len(layout.lengths) * HV))
+    seg = max(MIN_SEGMENT_CHUNKS, math.ceil(longest / per_sequence))
+    return seg if seg < longest else None
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure: run without context parallelism
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPlan:
+    segments: object                 # triton_generic.context_parallel.Segments
+    chunk_offsets: torch.Tensor      # [n_seg + 1] int32: the state pass's chunk_offsets over segments
+    gamma_slot: torch.Tensor         # [tokens] long: row * 64 + position of each token in gamma (0 past the end)
+
+
+@functools.lru_cache(maxsize=32)
+def plan_segments(layout: SequenceLayout, seg: int, total: int) -> SegmentPlan:
+    """Cached per layout (itself cached per cu_seqlens tensor): a repeated call builds nothing."""
+    from gdnkit.backends.triton_generic.context_parallel import cut_segments
+    segments = cut_segments(layout, seg)
+    dev = layout.cu_seqlens.device
+    chunk_offsets = torch.cat([segments.chunk_offsets,
+                               torch.tensor([layout.n_chunks], dtype=torch.int32, device=dev)])
+    t = torch.arange(total, device=dev)
+    end = layout.offsets[-1]
+    seq = (torch.searchsorted(layout.cu_seqlens[1:].long(), t.clamp(max=max(end - 1, 0)), right=True))
+    pos = t - layout.cu_seqlens.long()[seq]
+    slot = (layout.chunk_offsets.long()[seq] + pos // CHUNK) * CHUNK + pos % CHUNK
+    slot = torch.where(t < end, slot, torch.zeros_like(slot))
+    return SegmentPlan(segments, chunk_offsets, slot)
+
+
+def segment_states(plan: SegmentPlan, q, k, w, u, gamma, h0, scale: float, n_chunks: int, N: int,
+                   output_final_state: bool):
+    """Steps 1-2: every segment's initial state [n_seg, HV, K, V] fp32 and the sequences' final states."""
+    from gdnkit.backends.triton_generic.chunked import STATE_WARPS, _widest
+    from gdnkit.backends.triton_generic._common import dot_precision
+    from gdnkit.backends.triton_generic.context_parallel import segment_scan
+    from gdnkit.backends.triton_generic.state_pass import state_pass
+
+    _, total, HV, V = u.shape
+    K = k.shape[-1]
+    sg = plan.segments
+    # per-token chunk-local cumulative gate, log2 units, [1, tokens, HV] (the Triton kernels' gcum)
+    gcum = (gamma.reshape(HV, -1)[:, plan.gamma_slot] * LOG2E).t().contiguous().unsqueeze(0)
+    aug = state_pass(q, k, w, u, gcum, scale, None, total, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets, n_chunks,
+                     False, False, fuse_output=False, store_h=False, store_vnew=False, BV=_widest(K, V + K),
+                     num_warps=STATE_WARPS, num_stages=1, propagator=True)[3]
+    return segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, False, output_final_state, dot_precision(k.dtype))

@@ -1,0 +1,166 @@
+"""The state pass fused with the output, warp-specialized by hand: three warpgroups per program.
+
+    producer  (threads   0-127)  TMA: Q, K, W, U' and gamma of chunk i into stage i % 2
+    state     (threads 128-255)  the serial chain  S -> bf16 S -> W S -> U = U' - W S -> S' = Gamma_C S + K^T U_d
+    output    (threads 256-383)  O = scale ( diag(Gamma) Q S + (Q K^T (.) D_incl) U ), stored
+
+The state warpgroup hands the output warpgroup each chunk's bf16 S (before the update) and U through
+double-buffered shared tiles, so chunk i's output runs while the state chain already works on chunk
+i + 1. In the single-warpgroup version (state_output.py) the output gemms and stores sat in series
+with the chain.
+
+Barriers (2 slots each, slot s = i % 2, phase parity (i // 2) % 2):
+    loaded[s]    producer -> both consumers: stage s holds chunk i (TMA bytes + 128 producer arrivals)
+    freed[s]     both consumers -> producer: stage s may be overwritten (256 arrivals)
+    su_ready[s]  state -> output: s_s[s] and u_s[s] hold chunk i's S and U (128 arrivals)
+    su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
+A wait for a "free" barrier uses the flipped parity, so round 0 passes at once.
+
+Tail chunks and the TMA boxes past a sequence's end behave as in state_output.py. U's rows and Q K^T's
+rows go through selects on `t < n_valid`, and only the stores write rows below n_valid.
+"""
+import tilelang
+import tilelang.language as T
+
+CHUNK = 64
+THREADS = 384
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+                # the roles and barriers are written out here: TileLang's own pipeliner must stay out
+                tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
+
+def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
+                         store_final_state: bool = False, block_v: int = 64, K: int = 128, V: int = 128):
+    C = CHUNK
+    BV = block_v     # <= 64: two stages of Q/K/W/U' plus the S/U hand-over tiles fill ~180 KB at 64
+    NV = V // BV
+    accum = "float32"
+    assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64)
+    GROUP = HV // H
+
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_seqs = T.dynamic("num_seqs")
+    num_h0 = T.dynamic("num_h0")
+    num_ht = T.dynamic("num_ht")
+
+    @T.prim_func
+    def gdn_state_output_ws(
+        q: T.Tensor((1, num_tokens, H, K), dtype),
+        k: T.Tensor((1, num_tokens, H, K), dtype),
+        w: T.Tensor((1, num_tokens, HV, K), dtype),
+        u: T.Tensor((1, num_tokens, HV, V), dtype),
+        gamma: T.Tensor((HV, num_chunks, C), accum),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        h0: T.Tensor((num_h0, HV, K, V), accum),
+        o: T.Tensor((1, num_tokens, HV, V), dtype),
+        ht: T.Tensor((num_ht, HV, K, V), accum),
+        scale: T.float32,
+    ):
+        with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
+            hk = hv // GROUP
+            v0 = bv * BV
+            bos = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            n_chunks = T.ceildiv(eos - bos, C)
+            c0 = chunk_offsets[n]
+
+            # stage tiles (TMA destinations)
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            w_s = T.alloc_shared((2, C, K), dtype)
+            up_s = T.alloc_shared((2, C, BV), dtype)
+            g_s = T.alloc_shared((2, C), accum)
+            # state -> output hand-over
+            s_s = T.alloc_shared((2, K, BV), dtype)
+            u_s = T.alloc_shared((2, C, BV), dtype)
+            # private to one role
+            ud_s = T.alloc_shared((C, BV), dtype)     # state: diag(Gamma_C / Gamma) U
+            p_s = T.alloc_shared((C, C), dtype)       # output: Q K^T (.) D_incl
+
+            S = T.alloc_fragment((K, BV), accum)
+            wu = T.alloc_fragment((C, BV), accum)
+            acc_o = T.alloc_fragment((C, BV), accum)
+            qk = T.alloc_fragment((C, C), accum)
+            g_last = T.alloc_var(accum)
+
+            loaded = T.alloc_barrier(arrive_count=[128, 128])
+            freed = T.alloc_barrier(arrive_count=[256, 256])
+            su_ready = T.alloc_barrier(arrive_count=[128, 128])
+            su_free = T.alloc_barrier(arrive_count=[128, 128])
+
+            tx = T.get_thread_binding()
+            if tx < 128:
+                # ---- producer ----
+                T.set_max_nreg(40, 0)
+                for i in T.serial(n_chunks):
+                    s = i % 2
+                    T.barrier_wait(freed[s], ((i // 2) % 2) ^ 1)
+                    t0 = bos + i * C
+                    T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
+                    T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
+                    T.tma_copy(w[0, t0:t0 + C, hv, 0:K], w_s[s, :, :], barrier=loaded[s])
+                    T.tma_copy(u[0, t0:t0 + C, hv, v0:v0 + BV], up_s[s, :, :], barrier=loaded[s])
+                    T.tma_copy(gamma[hv, c0 + i, 0:C], g_s[s, :], barrier=loaded[s])
+                    T.barrier_arrive(loaded[s])
+            elif tx < 256:
+                # ---- state chain ----
+                T.set_max_nreg(232, 1)
+                if has_initial_state:
+                    T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
+                else:
+                    T.clear(S)
+                for i in T.serial(n_chunks):
+                    s = i % 2
+                    ph = (i // 2) % 2
+                    n_valid = T.min(eos - bos - i * C, C)
+                    T.barrier_wait(loaded[s], ph)
+                    T.barrier_wait(su_free[s], ph ^ 1)
+                    T.copy(S, s_s[s, :, :])
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(w_s[s, :, :], s_s[s, :, :], wu, clear_accum=True)     # W S
+                    T.wait_wgmma(0)
+                    g_last = g_s[s, n_valid - 1]
+                    for r, j in T.Parallel(C, BV):
+                        wu[r, j] = T.if_then_else(r < n_valid, up_s[s, r, j] - wu[r, j], 0.0)
+                    T.copy(wu, u_s[s, :, :])
+                    for r, j in T.Parallel(C, BV):
+                        ud_s[r, j] = wu[r, j] * T.exp(g_last - g_s[s, r])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(su_ready[s])
+                    for r, j in T.Parallel(K, BV):
+                        S[r, j] = S[r, j] * T.exp(g_last)
+                    T.wgmma_gemm(k_s[s, :, :], ud_s, S, transpose_A=True)              # += K^T U_d
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(freed[s])
+                if store_final_state:
+                    T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
+            else:
+                # ---- output ----
+                T.set_max_nreg(232, 1)
+                for i in T.serial(n_chunks):
+                    s = i % 2
+                    ph = (i // 2) % 2
+                    t0 = bos + i * C
+                    n_valid = T.min(eos - t0, C)
+                    T.barrier_wait(loaded[s], ph)
+                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
+                    T.barrier_wait(su_ready[s], ph)
+                    T.wgmma_gemm(q_s[s, :, :], s_s[s, :, :], acc_o, clear_accum=True)                 # Q S
+                    T.wait_wgmma(0)
+                    for r, c in T.Parallel(C, C):
+                        qk[r, c] = T.if_then_else(r >= c, T.if_then_else(r < n_valid, qk[r, c] * T.exp(g_s[s, r] - g_s[s, c]), 0.0), 0.0)
+                    T.copy(qk, p_s)
+                    for r, j in T.Parallel(C, BV):
+                        acc_o[r, j] = acc_o[r, j] * T.exp(g_s[s, r])
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(p_s, u_s[s, :, :], acc_o)                                              # += P U
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(su_free[s])
+                    T.barrier_arrive(freed[s])
+                    for r, j in T.Parallel(C, BV):
+                        if r < n_valid:
+                            o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
+
+    return gdn_state_output_ws
