@@ -58,6 +58,8 @@ def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
     _assert_hopper_paths(src)
     # the 64x64 solve products stay fp32 operands (tf32 tensor cores), not bf16
     assert "kTensorFloat32" in src
+    # full chunks of W and U' leave by TMA stores from shared memory, not per-thread global stores
+    assert src.count("tma_store(") >= 2, "W/U' stores did not lower to TMA"
 
 
 # every V tile the forward can pick: 32 and 64 run the three-warpgroup kernel, 128 the pipelined one

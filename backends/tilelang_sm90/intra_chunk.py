@@ -5,7 +5,8 @@
     A     = strictly_lower( diag(beta) (K K^T (.) D) )       (K K^T on wgmma, bf16 operands, fp32 accumulator)
     T     = (I + A)^-1                                       (fp32: 16x16 diagonal blocks by forward substitution
                                                               on CUDA cores, the rest by 64x64 tf32 gemms)
-    W     = T diag(beta Gamma) K,  U' = T diag(beta) V       (wgmma, bf16 operands)
+    W     = (T diag(beta Gamma)) K,  U' = (T diag(beta)) V   (wgmma, bf16 operands; the scalings go on T's
+                                                              columns in registers, K and V stay as loaded)
 
 Writes W [1, T, HV, K] and U' [1, T, HV, V] in the inputs' dtype, and gamma [HV, num_chunks, 64] fp32 (natural
 log, one row per entry of the chunk table, so the state pass loads a chunk's 64 values with one TMA box whose
@@ -21,6 +22,12 @@ Exact algebra (no approximation). The products run in tf32 on tensor cores (fp32
 ~1e-3 relative, below the bf16 rounding T gets before W/U'. tf32 wgmma reads both operands K-major, so every
 right-hand operand is stored transposed in shared memory and the gemms use transpose_B=True.
 
+Shared memory is what limits CTAs per SM here (one warpgroup per CTA: the other CTAs on the SM hide each
+one's serial steps). K is loaded twice (for K K^T, then for W) and V late, so no bf16 tile is alive during
+the solve and TileLang's merge of shared buffers by lifetime fits the kernel in ~65 KB: 3 CTAs per SM, where
+K and V held through the solve needed ~97 KB (2 per SM). W and U' of a full chunk leave through shared
+memory and one TMA store each.
+
 Varlen: the grid is the chunk table of gdnkit.seqlayout ([num_chunks, 2] = (sequence, chunk within
 the sequence)). A tail chunk's TMA box reads rows past the sequence's end (the next sequence's tokens, or
 zeros past the tensor's end): those rows get beta = 0 and g = 0, which makes their rows of A, W and U' zero
@@ -35,6 +42,21 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 # Tile loads are TMA (T.tma_copy: cp.async.bulk.tensor on an mbarrier). A plain T.copy would lower to a
 # bounds-checked SIMT copy here because the token count is symbolic; TMA boxes clip at the tensor's end by
 # themselves (out-of-bounds rows read as zero).
+
+
+@T.macro
+def _store_rows(acc, stage, dst, t0, head, n_valid):
+    """The C x 128 fp32 accumulator `acc` into rows t0.. of dst[0, :, head, :] in dst's dtype. A full chunk
+    goes through `stage` (a free C x 128 shared tile) and one TMA store: whole 128-byte lines instead of
+    per-thread 4-byte stores that fill half of each 32-byte sector. A tail chunk stores only its valid
+    rows from registers, since a TMA box would also overwrite the next sequence's first rows."""
+    if n_valid == CHUNK:
+        T.copy(acc, stage)
+        T.copy(stage, dst[0, t0:t0 + CHUNK, head, :])
+    else:
+        for i, j in T.Parallel(CHUNK, acc.shape[1]):
+            if i < n_valid:
+                dst[0, t0 + i, head, j] = acc[i, j]
 
 
 def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128):
@@ -72,12 +94,20 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             t0 = bos + chunk_indices[bc, 1] * C
             n_valid = T.min(eos - t0, C)  # rows of this chunk inside the sequence (1..64)
 
-            # bf16 operand tiles (TMA destinations; the K tile is rescaled in place into diag(beta Gamma) K)
+            # bf16 operand tiles, TMA destinations. K arrives twice: k0_s for K K^T at the start, k_s for W
+            # after the solve's third product, V after its fourth. Their lifetimes then overlap only the solve
+            # tiles already dead, so TileLang's shared-memory merge puts them in the same bytes: 64.8 KB in all
+            # (3 CTAs per SM) instead of 96.8 KB with K and V held through the solve (2 per SM). The second K
+            # read is an L2 hit (this CTA read it microseconds before, and so do the other value heads of
+            # its key head).
+            k0_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)
-            t_s = T.alloc_shared((C, C), dtype)       # T in bf16, the left operand of W and U'
+            tb_s = T.alloc_shared((C, C), dtype)      # T diag(beta) in bf16: the left operand of U'
+            tg_s = T.alloc_shared((C, C), dtype)      # T diag(beta Gamma): the left operand of W
             g_s = T.alloc_shared((C,), accum)         # g, then gamma = its chunk-local cumsum
             b_s = T.alloc_shared((C,), accum)
+            bg_s = T.alloc_shared((C,), accum)        # beta Gamma = beta exp(gamma)
             # fp32 64x64 tiles of the solve (4 x 16 KB)
             x_s = T.alloc_shared((C, C), accum)       # A (diagonal blocks read by the substitution), then I - N
             yT_s = T.alloc_shared((C, C), accum)      # Aoff^T, then N^T, then (I + N N)^T
@@ -91,20 +121,23 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
 
             tx = T.get_thread_binding()
 
-            # ---- loads: K and V tiles by TMA on one mbarrier (both in flight at once; every thread arrives,
-            # one elected thread posts the byte count), g and beta masked to the valid rows meanwhile ----
+            # ---- loads: the K tile by TMA on an mbarrier (every thread arrives, one elected thread posts the
+            # byte count), g and beta masked to the valid rows meanwhile ----
             loaded = T.alloc_barrier(arrive_count=THREADS)
-            T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
-            T.tma_copy(v[0, t0:t0 + C, hv, 0:V], v_s, barrier=loaded)
+            reloaded = T.alloc_barrier(arrive_count=THREADS)
+            v_loaded = T.alloc_barrier(arrive_count=THREADS)
+            T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k0_s, barrier=loaded)
             T.barrier_arrive(loaded)
             for i in T.Parallel(C):
                 g_s[i] = T.if_then_else(i < n_valid, g[0, t0 + i, hv], 0.0)
                 b_s[i] = T.if_then_else(i < n_valid, beta[0, t0 + i, hv], 0.0)
             T.cumsum(src=g_s, dim=0)
+            for i in T.Parallel(C):
+                bg_s[i] = b_s[i] * T.exp(g_s[i])
             T.barrier_wait(loaded, 0)
 
             # ---- A = strictly_lower(diag(beta) (K K^T (.) D)); the mask is applied before the exp ----
-            T.gemm(k_s, k_s, a_f, transpose_B=True, clear_accum=True)
+            T.gemm(k0_s, k0_s, a_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 a_f[i, j] = T.if_then_else(i > j, a_f[i, j] * b_s[i] * T.exp(g_s[i] - g_s[j]), 0.0)
             for i, j in T.Parallel(C, C):
@@ -141,25 +174,29 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             for i, j in T.Parallel(C, C):
                 yT_s[j, i] = T.if_then_else(i == j, 1.0, 0.0) + sq[i, j]       # (I + N N)^T
             T.gemm(x_s, yT_s, sq, transpose_B=True, clear_accum=True)          # sq = P = (I - N)(I + N N)
+            # x_s and yT_s are dead: K for W may land in their bytes once every thread is past the product
+            # above (the merge aliases by lifetime; this barrier orders those reads before the TMA write)
+            T.sync_threads()
+            T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=reloaded)
+            T.barrier_arrive(reloaded)
             T.copy(sq, n_s)
             T.gemm(n_s, dinvT_s, sq, transpose_B=True, clear_accum=True)       # sq = T = P Dinv
-            T.copy(sq, t_s)                                                    # bf16 for the wgmma below
+            T.sync_threads()  # the same for V, which lands in the bytes of Dinv^T
+            T.tma_copy(v[0, t0:t0 + C, hv, 0:V], v_s, barrier=v_loaded)
+            T.barrier_arrive(v_loaded)
 
-            # ---- W = T diag(beta Gamma) K ----
-            for i, j in T.Parallel(C, K):
-                k_s[i, j] = k_s[i, j] * (b_s[i] * T.exp(g_s[i]))
-            T.gemm(t_s, k_s, out, clear_accum=True)
-            for i, j in T.Parallel(C, K):
-                if i < n_valid:
-                    w[0, t0 + i, hv, j] = out[i, j]
-
-            # ---- U' = T diag(beta) V ----
-            for i, j in T.Parallel(C, V):
-                v_s[i, j] = v_s[i, j] * b_s[i]
-            T.gemm(t_s, v_s, out, clear_accum=True)
-            for i, j in T.Parallel(C, V):
-                if i < n_valid:
-                    u[0, t0 + i, hv, j] = out[i, j]
+            # ---- W = (T diag(beta Gamma)) K and U' = (T diag(beta)) V ----
+            # The diagonal scalings go on T's columns in registers (64 x 64), not on the K and V tiles in
+            # shared memory (2 x 64 x 128, read and written back): K and V stay the TMA tiles as loaded.
+            for i, j in T.Parallel(C, C):
+                tb_s[i, j] = sq[i, j] * b_s[j]
+                tg_s[i, j] = sq[i, j] * bg_s[j]
+            T.barrier_wait(reloaded, 0)
+            T.gemm(tg_s, k_s, out, clear_accum=True)
+            _store_rows(out, k_s, w, t0, hv, n_valid)
+            T.barrier_wait(v_loaded, 0)
+            T.gemm(tb_s, v_s, out, clear_accum=True)
+            _store_rows(out, v_s, u, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
