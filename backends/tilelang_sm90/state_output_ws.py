@@ -6,8 +6,8 @@
 
 The state warpgroup hands the output warpgroup each chunk's bf16 S (before the update) and U through
 double-buffered shared tiles, so chunk i's output runs while the state chain already works on chunk
-i + 1. In the single-warpgroup version (state_output.py) the output gemms and stores sat in series
-with the chain.
+i + 1. In state_output.py the output gemms and stores run in series with the chain (that kernel stays for
+128-wide V tiles, which do not fit here with two stages in shared memory).
 
 Barriers (2 slots each, slot s = i % 2, phase parity (i // 2) % 2):
     loaded[s]    producer -> both consumers: stage s holds chunk i (TMA bytes + 128 producer arrivals)
@@ -16,8 +16,10 @@ Barriers (2 slots each, slot s = i % 2, phase parity (i // 2) % 2):
     su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
 A wait for a "free" barrier uses the flipped parity, so round 0 passes at once.
 
-Tail chunks and the TMA boxes past a sequence's end behave as in state_output.py. U's rows and Q K^T's
-rows go through selects on `t < n_valid`, and only the stores write rows below n_valid.
+Same arguments, grid and contract as state_output.py (forward.py picks one by V tile), so the signature and
+the per-program sequence bounds repeat that kernel's. Tail chunks and the TMA boxes past a sequence's end
+behave as there too: U's rows and Q K^T's rows go through selects on `t < n_valid`, and only the stores
+write rows below n_valid.
 """
 import tilelang
 import tilelang.language as T
