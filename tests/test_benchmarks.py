@@ -177,6 +177,26 @@ def test_unavailable_and_unsupported_are_not_failures():
     assert all(r["anchor_same_run"] for r in out.rows)
 
 
+@pytest.mark.parametrize("medians,expected", [
+    ([2.0, 3.0, 5.0, 1.0], 4.0),   # fwd+bwd 2 <= fwd 3 (a burst of load): measured again, 5 - 1
+    ([2.0, 3.0, 2.0, 3.0], None),  # inverted twice: a failure, not a negative time
+])
+def test_backward_pair_is_measured_again_once_when_inverted(medians, expected, monkeypatch):
+    script = iter(medians)
+    monkeypatch.setattr(timing, "time_kernel", lambda *a, **k: timing.Timing(next(script), [1.0], "cpu-wall"))
+    class Differentiable(FakeImpl):
+        def chunk(self, inp, output_final_state=False):
+            o, _ = super().chunk(inp)
+            return o + 0 * sum(x.float().sum() for x in inp.leaves()), None
+
+    grid = Grid("bwd1", (Point("bwd", 1, 2, (8,), K=8, V=8),), accuracy_seqlens=(1, 5), accuracy_decode_B=2)
+    out, _ = run_small([Differentiable()], grid=grid)
+    if expected is None:
+        assert not out.rows and "not resolvable" in out.events[0]["reason"]
+    else:
+        assert [r["kernel_ms"] for r in out.rows] == [expected]
+
+
 def test_budget_stops_new_measurements():
     out, _ = run_small([FakeImpl()], budget_s=0.0)
     assert out.rows == [] and out.stopped_early
