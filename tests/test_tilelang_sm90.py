@@ -527,7 +527,8 @@ def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
 
 @pytest.mark.parametrize("H,HV,lengths,expected", [
     (2, 8, [32768], 64),        # 8 segments: 64 (segment, head) pairs, 128 output programs for 132 SMs
-    (2, 8, [2048], 8),          # the shortest segment allowed
+    (2, 8, [8192], 32),         # the shortest segment allowed: 4 segments
+    (2, 8, [2048], None),       # 32 chunks: one segment would be the whole sequence
     (2, 8, [512], None),        # one segment would be the whole sequence
     (4, 16, [32768], None),     # 4 V tiles x 16 heads x 3 SMs > 132: enough programs already
     (2, 8, [4096] * 8, None),
