@@ -259,9 +259,8 @@ class Runner:
         out = _as_list(fns["main"][0]())  # kept for the cross-implementation comparison
         eager = timing.time_eager(fns["main"], dev, reps=cfg.reps)
         kern = timing.time_kernel(fns["main"], dev, reps=cfg.reps, method=cfg.timing_method)
-        extras: dict[str, Any] = {"timing": kern.method, "timing_note": kern.note, "spread": round(kern.spread, 4),
-                                  "samples": len(kern.samples_ms), "input_sets": len(sets), "run": cfg.run_id}
         kernel_ms, eager_ms = kern.median_ms, eager
+        bwd_extras: dict[str, Any] = {}
         if point.pass_ == "bwd":
             # backward = (fwd+bwd) - fwd. Where the two are close (tiny CPU problems) a burst of load from
             # another process can invert them; measure the pair once more before calling it unresolvable.
@@ -276,10 +275,12 @@ class Runner:
             else:
                 raise RuntimeError(f"backward time not resolvable: fwd+bwd {kern.median_ms:.4f} ms <= "
                                    f"fwd {fwd_kern.median_ms:.4f} ms")
-            extras.update(timing=kern.method, timing_note=kern.note, spread=round(kern.spread, 4),
-                          samples=len(kern.samples_ms), fwdbwd_ms=kern.median_ms, fwd_train_ms=fwd_kern.median_ms,
-                          fwd_timing=fwd_kern.method, fwdbwd_eager_ms=eager, fwd_train_eager_ms=fwd_eager)
+            bwd_extras = dict(fwdbwd_ms=kern.median_ms, fwd_train_ms=fwd_kern.median_ms, fwd_timing=fwd_kern.method,
+                              fwdbwd_eager_ms=eager, fwd_train_eager_ms=fwd_eager)
             kernel_ms, eager_ms = kern.median_ms - fwd_kern.median_ms, eager - fwd_eager
+        extras: dict[str, Any] = {"timing": kern.method, "timing_note": kern.note, "spread": round(kern.spread, 4),
+                                  "samples": len(kern.samples_ms), "input_sets": len(sets), "run": cfg.run_id,
+                                  **bwd_extras}
         if point.pass_ == "decode":
             extras["state_GBps"] = round(2 * state_bytes(point) / (kernel_ms * 1e-3) / 1e9, 2)
         acc = self._accuracy(impl, point)
