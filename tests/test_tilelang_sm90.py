@@ -51,15 +51,16 @@ def _assert_hopper_paths(src: str):
         "TMA loads are not tracked by mbarriers"
 
 
-@pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (16, 64, "float16")])
-def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
+@pytest.mark.parametrize("H,HV,dtype,emit_wu", [(2, 8, "bfloat16", False), (16, 64, "float16", False),
+                                                (2, 8, "bfloat16", True)])
+def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype, emit_wu):
     _tilelang()
-    src = _source("intra_chunk", H, HV, dtype)
+    src = _source("intra_chunk", H, HV, dtype, emit_wu=emit_wu)
     _assert_hopper_paths(src)
     # the 64x64 solve products stay fp32 operands (tf32 tensor cores), not bf16
     assert "kTensorFloat32" in src
-    # full chunks of W and U' leave by TMA stores from shared memory, not per-thread global stores
-    assert src.count("tma_store(") >= 2, "W/U' stores did not lower to TMA"
+    # full chunks of Tb (and W, U') leave by TMA stores from shared memory, not per-thread global stores
+    assert src.count("tma_store(") >= (3 if emit_wu else 1), "Tb/W/U' stores did not lower to TMA"
 
 
 # every V tile the forward can pick: 32 and 64 run the three-warpgroup kernel, 128 the pipelined one
@@ -297,13 +298,15 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_intra_chunk_stage_matches_reference_trace():
-    """The intra-chunk kernel alone (gamma, W, U') against the reference's ChunkTrace, one dense sequence
-    of 135 tokens (a chunk tail of 7): tells an intra-chunk bug from a state-pass bug."""
+def test_intra_chunk_stage_matches_reference_trace(monkeypatch):
+    """The intra-chunk kernel alone (gamma, Tb = T diag(beta); W and U' from its context-parallel variant)
+    against the reference's ChunkTrace, one dense sequence of 135 tokens (a chunk tail of 7): tells an
+    intra-chunk bug from a state-pass bug."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
-    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.reference.chunked import _to_chunks, chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import context_parallel
     from gdnkit.backends.tilelang_sm90.forward import forward
     from gdnkit.problem import CHUNK_MODE, validate_inputs
 
@@ -318,17 +321,21 @@ def test_intra_chunk_stage_matches_reference_trace():
     beta = torch.sigmoid(r(1, T, HV))
     with torch.no_grad():
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta)
-        got = {}
+        got, got_cp = {}, {}
         forward(problem, inputs, intermediates=got)
+        monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 1)
+        forward(problem, inputs, intermediates=got_cp)
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         _, _, trace = chunked_gdn(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale)
     per_token = lambda x: x.movedim(1, 3).reshape(1, -1, HV, x.shape[-1])[:, :T]  # noqa: E731
     gamma_ref = trace.gamma.reshape(1, HV, -1)[0, :, :T]
     assert _rel(got["gamma"][:, :T], gamma_ref) <= 1e-5, f"gamma: {_rel(got['gamma'][:, :T], gamma_ref):.2e}"
-    w_ref, u_ref = per_token(trace.W), per_token(trace.U_prime)
-    assert _rel(got["w"], w_ref) <= 1e-2, f"W: {_rel(got['w'], w_ref):.2e}"
-    assert _rel(got["u"], u_ref) <= 1e-2, f"U': {_rel(got['u'], u_ref):.2e}"
+    tb_ref = per_token(trace.T * _to_chunks(beta.double(), trace.T.shape[2], 64).unsqueeze(-2))
+    for name, ref in [("a", tb_ref), ("w", per_token(trace.W)), ("u", per_token(trace.U_prime))]:
+        out = got_cp[name] if name != "a" else got[name]
+        assert _rel(out, ref) <= 1e-2, f"{name}: {_rel(out, ref):.2e}"
+    assert torch.equal(got["a"], got_cp["a"]) and torch.equal(got["gamma"], got_cp["gamma"])
 
 
 @pytest.mark.gpu
@@ -360,40 +367,43 @@ def test_public_api_fp16_options_and_trailing_tokens():
 
 
 # ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
-def _intra_stand_in(k, v, g, beta, cu, table, w, u, gamma):
-    """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, W and U' rows."""
-    grp = v.shape[2] // k.shape[2]
+def _intra_stand_in(k, g, beta, cu, table, a, gamma, v=None, w=None, u=None):
+    """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, Tb = T diag(beta)
+    rows, and with v, w, u given (the context-parallel variant) also W and U' rows."""
+    grp = g.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
         n = min(int(cu[seq + 1]) - t0, 64)
-        for hv in range(v.shape[2]):
-            kk, vv = k[0, t0:t0 + n, hv // grp].double(), v[0, t0:t0 + n, hv].double()
+        for hv in range(g.shape[2]):
+            kk = k[0, t0:t0 + n, hv // grp].double()
             gs, bs = g[0, t0:t0 + n, hv].double().cumsum(0), beta[0, t0:t0 + n, hv].double()
             i = torch.arange(n)
             A = torch.where(i[:, None] > i[None, :], (kk @ kk.T) * bs[:, None] * torch.exp(gs[:, None] - gs[None, :]), 0.0)
-            Tm = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
-            w[0, t0:t0 + n, hv] = (Tm @ (kk * (bs * gs.exp())[:, None])).to(w.dtype)
-            u[0, t0:t0 + n, hv] = (Tm @ (vv * bs[:, None])).to(u.dtype)
+            Tb = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A) * bs[None, :]
+            a[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tb, (0, 64 - n)).to(a.dtype)
+            if w is not None:
+                w[0, t0:t0 + n, hv] = (Tb @ (kk * gs.exp()[:, None])).to(w.dtype)
+                u[0, t0:t0 + n, hv] = (Tb @ v[0, t0:t0 + n, hv].double()).to(u.dtype)
             gamma[hv, row, :n] = gs.float()
             gamma[hv, row, n:] = gs[-1].float()
 
 
 def _state_stand_in(has_h0, store_ht):
     """What the state/output kernel writes: O rows of every sequence (of cu), final states if asked."""
-    def run(q, k, w, u, gamma, cu, chunk_offsets, h0, o, ht, scale):
-        grp = u.shape[2] // k.shape[2]
+    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale):
+        grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
-            for hv in range(u.shape[2]):
-                S = h0[n, hv].double() if has_h0 else torch.zeros(k.shape[-1], u.shape[-1], dtype=torch.float64)
+            for hv in range(v.shape[2]):
+                S = h0[n, hv].double() if has_h0 else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
                 for ic in range(-(-(eos - bos) // 64)):
                     t0 = bos + ic * 64
                     m = min(eos - t0, 64)
                     qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
-                    ww, up = w[0, t0:t0 + m, hv].double(), u[0, t0:t0 + m, hv].double()
+                    tb, vv = a[0, t0:t0 + m, hv, :m].double(), v[0, t0:t0 + m, hv].double()
                     gs = gamma[hv, c0 + ic, :m].double()
                     i = torch.arange(m)
-                    U = up - ww @ S
+                    U = tb @ (vv - gs.exp()[:, None] * (kk @ S))
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
                     o[0, t0:t0 + m, hv] = (scale * ((qq @ S) * gs.exp()[:, None] + P @ U)).to(o.dtype)
                     S = S * gs[-1].exp() + kk.T @ (U * torch.exp(gs[-1] - gs)[:, None])
@@ -413,7 +423,7 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_wu=False: _intra_stand_in)
     monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
 
     gen = torch.Generator().manual_seed(2)
@@ -458,7 +468,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_wu=False: _intra_stand_in)
     monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
 
     gen = torch.Generator().manual_seed(1)

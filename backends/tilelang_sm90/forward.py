@@ -38,6 +38,9 @@ TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # V tile per program: None = plan from the SM count (_plan_block_v), or force 32 / 64 / 128 (tests).
 BLOCK_V = None
 WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output_ws.py)
+# its TMA ring depth per V tile (H200, run 3 of session 4, state kernel ms at 3 / 2 stages): 4/16 1x32768
+# (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
+WS_STAGES = {32: 3, 64: 2}
 # the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
 # (ptxas: 168 registers, no spills at 256 threads)
 PIPELINED_THREADS = 256
@@ -86,9 +89,10 @@ def _jit():
 
 
 @functools.lru_cache(maxsize=None)
-def intra_chunk_kernel(H: int, HV: int, dtype: str):
-    """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
-    return _jit()[0](H, HV, dtype)
+def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_wu: bool = False):
+    """Compiled once per key; tilelang.jit also keeps its own disk cache across processes. emit_wu: also
+    write W and U' (context parallelism's propagator pass reads them)."""
+    return _jit()[0](H, HV, dtype, emit_wu=emit_wu)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +101,7 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
     """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v)
+                         block_v=block_v, stages=WS_STAGES[block_v])
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS)
 
@@ -117,7 +121,8 @@ def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
 
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
     """(o, final state). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs back in it
-    (packed: w [1, B*T, HV, K], u [1, B*T, HV, V], gamma [HV, num_chunks * 64], one row of 64 per chunk) for stage-by-stage checks."""
+    (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per chunk; with
+    context parallelism also w [1, B*T, HV, K] and u [1, B*T, HV, V]) for stage-by-stage checks."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -149,31 +154,36 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             ht = h0.clone() if h0 is not None else torch.zeros(N, HV, K, V, device=dev, dtype=torch.float32)
     else:
         dt = TORCH_TO_TL[problem.dtype]
-        w = torch.empty(1, total, HV, K, device=dev, dtype=k.dtype)
-        u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
+        a = torch.empty(1, total, HV, CHUNK, device=dev, dtype=k.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
         gamma = torch.empty(HV, layout.n_chunks, CHUNK, device=dev, dtype=torch.float32)
-        intra_chunk_kernel(H, HV, dt)(k, v, g, beta, layout.cu_seqlens, chunk_table, w, u, gamma)
-        if intermediates is not None:
-            intermediates.update(w=w, u=u, gamma=gamma.reshape(HV, -1))
-
+        stage_args = (k, g, beta, layout.cu_seqlens, chunk_table, a, gamma)
         placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
         seg = _segment_chunks(layout, HV, dev)
         if seg:
-            # context parallelism: the segments' initial states first, then the output pass over segments
+            # context parallelism: the segments' initial states first (from W and U'), then the output pass
+            # over segments
+            w = torch.empty(1, total, HV, K, device=dev, dtype=k.dtype)
+            u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
+            intra_chunk_kernel(H, HV, dt, True)(*stage_args, v, w, u)
+            if intermediates is not None:
+                intermediates.update(w=w, u=u)
             plan = context_parallel.plan_segments(layout, seg, total)
             s0, ht = context_parallel.segment_states(plan, q, k, w, u, gamma, h0, float(problem.scale),
                                                      layout.n_chunks, N, problem.output_final_state)
             n_seg = plan.segments.n_seg
             kernel = state_output_kernel(H, HV, dt, True, False, _plan_block_v(n_seg, HV, dev))
-            kernel(q, k, w, u, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
+            kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
                    float(problem.scale))
         else:
+            intra_chunk_kernel(H, HV, dt)(*stage_args)
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
                                          _plan_block_v(N, HV, dev))
-            kernel(q, k, w, u, gamma, layout.cu_seqlens, layout.chunk_offsets, placeholder if h0 is None else h0, o,
+            kernel(q, k, a, v, gamma, layout.cu_seqlens, layout.chunk_offsets, placeholder if h0 is None else h0, o,
                    placeholder if ht is None else ht, float(problem.scale))
+        if intermediates is not None:
+            intermediates.update(a=a, gamma=gamma.reshape(HV, -1))
 
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:

@@ -5,33 +5,36 @@
     A     = strictly_lower( diag(beta) (K K^T (.) D) )       (K K^T on wgmma, bf16 operands, fp32 accumulator)
     T     = (I + A)^-1                                       (fp32: 16x16 diagonal blocks by forward substitution
                                                               on CUDA cores, the rest by 64x64 tf32 gemms)
-    W     = (T diag(beta Gamma)) K,  U' = (T diag(beta)) V   (wgmma, bf16 operands; the scalings go on T's
-                                                              columns in registers, K and V stay as loaded)
+    Tb    = T diag(beta)                                     (written in the inputs' dtype, [1, T, HV, 64])
 
-Writes W [1, T, HV, K] and U' [1, T, HV, V] in the inputs' dtype, and gamma [HV, num_chunks, 64] fp32 (natural
-log, one row per entry of the chunk table, so the state pass loads a chunk's 64 values with one TMA box whose
-start is row-aligned. A token-contiguous gamma read at a sequence's own offset puts an unaligned start in the
-box's innermost dimension, and that TMA load raised "illegal instruction" on the H200 for every sequence that
-does not start at a multiple of 64 tokens.)
+The state pass makes the new values from Tb on chip, U = Tb (V - diag(Gamma) K S) (state_output_ws.py), so
+W = T diag(beta Gamma) K and U' = T diag(beta) V are not written for it: per chunk and value head Tb is
+8 KB where W and U' were 32 KB written here and read back there (16/64 1x32768: ~1.07 GB each way).
+With `emit_wu` the kernel also writes W and U' (the scalings go on T's columns in registers, K and V stay
+as loaded), for context parallelism's Triton propagator pass, which reads them.
+
+gamma is written as [HV, num_chunks, 64] fp32 (natural log, one row per entry of the chunk table, so the
+state pass loads a chunk's 64 values with one TMA box whose start is row-aligned. A token-contiguous gamma
+read at a sequence's own offset puts an unaligned start in the box's innermost dimension, and that TMA load
+raised "illegal instruction" on the H200 for every sequence that does not start at a multiple of 64 tokens.)
 
 The solve. Split (I + A) = Dblk + Aoff, Dblk = the four 16x16 diagonal blocks of I + A, Aoff the strictly
 block-lower rest. Then T = (I + N)^-1 Dblk^-1 with N = Dblk^-1 Aoff strictly block-lower (4 blocks), so
 N^4 = 0 and (I + N)^-1 = I - N + N^2 - N^3 = (I - N)(I + N^2):
     T = (I - N) (I + N N) Dinv,   Dinv = Dblk^-1,  N = Dinv Aoff          (4 gemms of 64x64x64)
 Exact algebra (no approximation). The products run in tf32 on tensor cores (fp32 operands from shared memory):
-~1e-3 relative, below the bf16 rounding T gets before W/U'. tf32 wgmma reads both operands K-major, so every
+~1e-3 relative, below the bf16 rounding Tb gets. tf32 wgmma reads both operands K-major, so every
 right-hand operand is stored transposed in shared memory and the gemms use transpose_B=True.
 
 Shared memory is what limits CTAs per SM here (one warpgroup per CTA: the other CTAs on the SM hide each
-one's serial steps). K is loaded twice (for K K^T, then for W) and V late, so no bf16 tile is alive during
-the solve and TileLang's merge of shared buffers by lifetime fits the kernel in ~65 KB: 3 CTAs per SM, where
-K and V held through the solve needed ~97 KB (2 per SM). W and U' of a full chunk leave through shared
-memory and one TMA store each.
+one's serial steps). With `emit_wu`, K is loaded twice (for K K^T, then for W) and V late, so no bf16 tile
+is alive during the solve and TileLang's merge of shared buffers by lifetime fits the kernel in ~65 KB.
+Full chunks leave through shared memory and one TMA store per output.
 
 Varlen: the grid is the chunk table of gdnkit.seqlayout ([num_chunks, 2] = (sequence, chunk within
 the sequence)). A tail chunk's TMA box reads rows past the sequence's end (the next sequence's tokens, or
-zeros past the tensor's end): those rows get beta = 0 and g = 0, which makes their rows of A, W and U' zero
-and leaves the valid rows exact; stores are masked to the valid rows.
+zeros past the tensor's end): those rows get beta = 0 and g = 0, which makes their rows and columns of Tb
+(and rows of W and U') zero and leaves the valid rows exact; stores are masked to the valid rows.
 """
 
 import tilelang
@@ -46,21 +49,26 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 @T.macro
 def _store_rows(acc, stage, dst, t0, head, n_valid):
-    """The C x 128 fp32 accumulator `acc` into rows t0.. of dst[0, :, head, :] in dst's dtype. A full chunk
-    goes through `stage` (a free C x 128 shared tile) and one TMA store: whole 128-byte lines instead of
-    per-thread 4-byte stores that fill half of each 32-byte sector. A tail chunk stores only its valid
-    rows from registers, since a TMA box would also overwrite the next sequence's first rows."""
+    """The C x n tile `acc` (an fp32 fragment, or a shared tile already in dst's dtype: then stage is None)
+    into rows t0.. of dst[0, :, head, :]. A full chunk goes through shared memory and one TMA store: whole
+    128-byte lines instead of per-thread 4-byte stores that fill half of each 32-byte sector. A tail chunk
+    stores only its valid rows, since a TMA box would also overwrite the next sequence's first rows."""
     if n_valid == CHUNK:
-        T.copy(acc, stage)
-        T.copy(stage, dst[0, t0:t0 + CHUNK, head, :])
+        if stage is None:
+            T.copy(acc, dst[0, t0:t0 + CHUNK, head, :])
+        else:
+            T.copy(acc, stage)
+            T.copy(stage, dst[0, t0:t0 + CHUNK, head, :])
     else:
         for i, j in T.Parallel(CHUNK, acc.shape[1]):
             if i < n_valid:
                 dst[0, t0 + i, head, j] = acc[i, j]
 
 
-def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128):
-    """The TileLang prim_func for (H, HV, dtype). Token count, sequence count and chunk count are symbolic."""
+def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool = False, K: int = 128,
+                        V: int = 128):
+    """The TileLang prim_func for (H, HV, dtype, emit_wu). Token count, sequence count and chunk count are
+    symbolic. Arguments: k, g, beta, cu_seqlens, chunk_indices, a (Tb), gamma; with emit_wu also v, w, u."""
     # ---- tile shapes (fixed by the algebra at K = V = 128) ----
     C = CHUNK        # chunk length: rows of every tile; A and T are C x C
     BLK = 16         # diagonal block of the solve: forward substitution on CUDA cores, one thread per column
@@ -74,18 +82,8 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
 
-    @T.prim_func
-    def gdn_intra_chunk(
-        k: T.Tensor((1, num_tokens, H, K), dtype),
-        v: T.Tensor((1, num_tokens, HV, V), dtype),
-        g: T.Tensor((1, num_tokens, HV), accum),
-        beta: T.Tensor((1, num_tokens, HV), accum),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        chunk_indices: T.Tensor((num_chunks, 2), "int32"),
-        w: T.Tensor((1, num_tokens, HV, K), dtype),
-        u: T.Tensor((1, num_tokens, HV, V), dtype),
-        gamma: T.Tensor((HV, num_chunks, C), accum),
-    ):
+    @T.macro
+    def body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, v, w, u):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (bc, hv):
             hk = hv // GROUP
             seq = chunk_indices[bc, 0]
@@ -94,20 +92,14 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             t0 = bos + chunk_indices[bc, 1] * C
             n_valid = T.min(eos - t0, C)  # rows of this chunk inside the sequence (1..64)
 
-            # bf16 operand tiles, TMA destinations. K arrives twice: k0_s for K K^T at the start, k_s for W
-            # after the solve's third product, V after its fourth. Their lifetimes then overlap only the solve
-            # tiles already dead, so TileLang's shared-memory merge puts them in the same bytes: 64.8 KB in all
-            # (3 CTAs per SM) instead of 96.8 KB with K and V held through the solve (2 per SM). The second K
-            # read is an L2 hit (this CTA read it microseconds before, and so do the other value heads of
-            # its key head).
+            # bf16 operand tiles, TMA destinations. With emit_wu, K arrives twice: k0_s for K K^T at the
+            # start, k_s for W after the solve's third product, V after its fourth. Their lifetimes then
+            # overlap only the solve tiles already dead, so TileLang's shared-memory merge puts them in the
+            # same bytes (the second K read is an L2 hit: this CTA read it microseconds before).
             k0_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
-            v_s = T.alloc_shared((C, V), dtype)
-            tb_s = T.alloc_shared((C, C), dtype)      # T diag(beta) in bf16: the left operand of U'
-            tg_s = T.alloc_shared((C, C), dtype)      # T diag(beta Gamma): the left operand of W
+            tb_s = T.alloc_shared((C, C), dtype)      # Tb = T diag(beta) in bf16: stored, and U' = Tb V
             g_s = T.alloc_shared((C,), accum)         # g, then gamma = its chunk-local cumsum
             b_s = T.alloc_shared((C,), accum)
-            bg_s = T.alloc_shared((C,), accum)        # beta Gamma = beta exp(gamma)
             # fp32 64x64 tiles of the solve (4 x 16 KB)
             x_s = T.alloc_shared((C, C), accum)       # A (diagonal blocks read by the substitution), then I - N
             yT_s = T.alloc_shared((C, C), accum)      # Aoff^T, then N^T, then (I + N N)^T
@@ -116,24 +108,19 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             col = T.alloc_local((BLK,), accum)
 
             a_f = T.alloc_fragment((C, C), accum)     # A (bf16 wgmma accumulator layout)
-            sq = T.alloc_fragment((C, C), accum)      # N, N N, P, T in turn (tf32 gemm accumulator layout)
-            out = T.alloc_fragment((C, K), accum)     # W, then U'
+            sq = T.alloc_fragment((C, C), accum)      # N, N N, P, T, Tb in turn (tf32 gemm accumulator layout)
 
             tx = T.get_thread_binding()
 
             # ---- loads: the K tile by TMA on an mbarrier (every thread arrives, one elected thread posts the
             # byte count), g and beta masked to the valid rows meanwhile ----
             loaded = T.alloc_barrier(arrive_count=THREADS)
-            reloaded = T.alloc_barrier(arrive_count=THREADS)
-            v_loaded = T.alloc_barrier(arrive_count=THREADS)
             T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k0_s, barrier=loaded)
             T.barrier_arrive(loaded)
             for i in T.Parallel(C):
                 g_s[i] = T.if_then_else(i < n_valid, g[0, t0 + i, hv], 0.0)
                 b_s[i] = T.if_then_else(i < n_valid, beta[0, t0 + i, hv], 0.0)
             T.cumsum(src=g_s, dim=0)
-            for i in T.Parallel(C):
-                bg_s[i] = b_s[i] * T.exp(g_s[i])
             T.barrier_wait(loaded, 0)
 
             # ---- A = strictly_lower(diag(beta) (K K^T (.) D)); the mask is applied before the exp ----
@@ -174,32 +161,74 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             for i, j in T.Parallel(C, C):
                 yT_s[j, i] = T.if_then_else(i == j, 1.0, 0.0) + sq[i, j]       # (I + N N)^T
             T.gemm(x_s, yT_s, sq, transpose_B=True, clear_accum=True)          # sq = P = (I - N)(I + N N)
-            # x_s and yT_s are dead: K for W may land in their bytes once every thread is past the product
-            # above (the merge aliases by lifetime; this barrier orders those reads before the TMA write)
-            T.sync_threads()
-            T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=reloaded)
-            T.barrier_arrive(reloaded)
+            if emit_wu:
+                # x_s and yT_s are dead: K for W may land in their bytes once every thread is past the
+                # product above (the merge aliases by lifetime; this barrier orders those reads before the
+                # TMA write)
+                k_s = T.alloc_shared((C, K), dtype)
+                reloaded = T.alloc_barrier(arrive_count=THREADS)
+                T.sync_threads()
+                T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=reloaded)
+                T.barrier_arrive(reloaded)
             T.copy(sq, n_s)
             T.gemm(n_s, dinvT_s, sq, transpose_B=True, clear_accum=True)       # sq = T = P Dinv
-            T.sync_threads()  # the same for V, which lands in the bytes of Dinv^T
-            T.tma_copy(v[0, t0:t0 + C, hv, 0:V], v_s, barrier=v_loaded)
-            T.barrier_arrive(v_loaded)
-
-            # ---- W = (T diag(beta Gamma)) K and U' = (T diag(beta)) V ----
-            # The diagonal scalings go on T's columns in registers (64 x 64), not on the K and V tiles in
-            # shared memory (2 x 64 x 128, read and written back): K and V stay the TMA tiles as loaded.
             for i, j in T.Parallel(C, C):
-                tb_s[i, j] = sq[i, j] * b_s[j]
-                tg_s[i, j] = sq[i, j] * bg_s[j]
-            T.barrier_wait(reloaded, 0)
-            T.gemm(tg_s, k_s, out, clear_accum=True)
-            _store_rows(out, k_s, w, t0, hv, n_valid)
-            T.barrier_wait(v_loaded, 0)
-            T.gemm(tb_s, v_s, out, clear_accum=True)
-            _store_rows(out, v_s, u, t0, hv, n_valid)
+                sq[i, j] = sq[i, j] * b_s[j]                                    # Tb = T diag(beta)
+            # tb_s holds Tb for every chunk (U' below reads it), not only for the full chunks it stages
+            T.copy(sq, tb_s)
+            _store_rows(tb_s, None, a, t0, hv, n_valid)
+
+            if emit_wu:
+                # W = (Tb diag(Gamma)) K and U' = Tb V: the Gamma scaling goes on Tb's columns in registers
+                # (64 x 64), not on the K tile in shared memory (64 x 128, read and written back)
+                v_s = T.alloc_shared((C, V), dtype)
+                tg_s = T.alloc_shared((C, C), dtype)
+                out = T.alloc_fragment((C, K), accum)
+                v_loaded = T.alloc_barrier(arrive_count=THREADS)
+                T.sync_threads()  # the same for V, which lands in the bytes of Dinv^T
+                T.tma_copy(v[0, t0:t0 + C, hv, 0:V], v_s, barrier=v_loaded)
+                T.barrier_arrive(v_loaded)
+                for i, j in T.Parallel(C, C):
+                    tg_s[i, j] = sq[i, j] * T.exp(g_s[j])
+                T.barrier_wait(reloaded, 0)
+                T.gemm(tg_s, k_s, out, clear_accum=True)
+                _store_rows(out, k_s, w, t0, hv, n_valid)
+                T.barrier_wait(v_loaded, 0)
+                T.gemm(tb_s, v_s, out, clear_accum=True)
+                _store_rows(out, v_s, u, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
                 gamma[hv, bc, i] = g_s[i]
+
+    if emit_wu:
+        @T.prim_func
+        def gdn_intra_chunk_wu(
+            k: T.Tensor((1, num_tokens, H, K), dtype),
+            g: T.Tensor((1, num_tokens, HV), accum),
+            beta: T.Tensor((1, num_tokens, HV), accum),
+            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+            chunk_indices: T.Tensor((num_chunks, 2), "int32"),
+            a: T.Tensor((1, num_tokens, HV, C), dtype),
+            gamma: T.Tensor((HV, num_chunks, C), accum),
+            v: T.Tensor((1, num_tokens, HV, V), dtype),
+            w: T.Tensor((1, num_tokens, HV, K), dtype),
+            u: T.Tensor((1, num_tokens, HV, V), dtype),
+        ):
+            body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, v, w, u)
+
+        return gdn_intra_chunk_wu
+
+    @T.prim_func
+    def gdn_intra_chunk(
+        k: T.Tensor((1, num_tokens, H, K), dtype),
+        g: T.Tensor((1, num_tokens, HV), accum),
+        beta: T.Tensor((1, num_tokens, HV), accum),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_indices: T.Tensor((num_chunks, 2), "int32"),
+        a: T.Tensor((1, num_tokens, HV, C), dtype),
+        gamma: T.Tensor((HV, num_chunks, C), accum),
+    ):
+        body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, None, None, None)
 
     return gdn_intra_chunk

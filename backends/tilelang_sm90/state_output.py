@@ -1,21 +1,22 @@
 """The sequential half of the chunked forward (ALGORITHM.md section 2), fused with the output: one TileLang
 program per (sequence, value head, V tile) walks the sequence's chunks with the state on chip:
 
-    U     = U' - W S                                      (C x BV)
+    U     = Tb (V - diag(Gamma) K S)                      (C x BV; = U' - W S, Tb from intra_chunk.py)
     O     = scale ( diag(Gamma) Q S + (Q K^T (.) D_incl) U )
     S_end = Gamma_C S + K^T diag(Gamma_C / Gamma) U       (= Gamma_C S + Kt^T U)
 
 S [K, BV] stays an fp32 register fragment from the first chunk to the last; each chunk rounds a bf16 copy of
-it into shared memory, the operand of W S and Q S (ALGORITHM.md section 3: this rounding is most of the
+it into shared memory, the operand of K S and Q S (ALGORITHM.md section 3: this rounding is most of the
 ~3e-3 error the anchors show). The decay Gamma_C / Gamma_t is folded into U's rows (one bf16 rounding of
 the product) instead of into K, so K's TMA tile is the left operand of the state update as loaded.
 
-The chunk loop is a T.Pipelined loop: the Q, K, W, U' and gamma tiles of chunk i + 1 stream in by TMA on
-mbarriers (2 stages) while chunk i computes; its five products run as two groups of async wgmmas with one
-wait each. Tail chunk of a sequence: the Q/K/W/U' boxes read past the sequence's end (next sequence's rows,
-zeros past the tensor's end). Those rows reach results only through selects on `t < n_valid` (U's rows,
-Q K^T's rows, the stores), never a multiply, so garbage there cannot leak (0 * inf would). Gamma's rows
-are the chunk's own (the intra kernel writes every row of it), so the decays need no select.
+The chunk loop is a T.Pipelined loop: the Q, K, Tb, V and gamma tiles of chunk i + 1 stream in by TMA on
+mbarriers (2 stages) while chunk i computes; its six products run as three groups of async wgmmas with one
+wait each. Tail chunk of a sequence: the Q/K/Tb/V boxes read past the sequence's end (next sequence's rows,
+zeros past the tensor's end). Those rows reach results only through selects on `t < n_valid` (the rows of
+X and U, Q K^T's rows, the stores), never a multiply, so garbage there cannot leak (0 * inf would); Tb's
+columns past n_valid are zero as written. Gamma's rows are the chunk's own (the intra kernel writes every
+row of it), so the decays need no select.
 """
 import tilelang
 import tilelang.language as T
@@ -31,7 +32,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     """The TileLang prim_func. Token count, sequence count and the state tensors' lengths are symbolic;
     `scale` is a runtime argument, so one build serves every scale."""
     # ---- tile shapes ----
-    C = CHUNK        # chunk rows: Q/K/W tiles are C x K, U'/U/O tiles C x BV, Q K^T is C x C
+    C = CHUNK        # chunk rows: Q/K tiles are C x K, V/X/U/O tiles C x BV, Tb and Q K^T are C x C
     BV = block_v     # V tile per program: 64 -> S is 128 x 64 fp32 = 64 registers/thread at 128 threads;
                      # 2 V tiles per (sequence, head) double the programs for few-sequence problems
     NV = V // BV
@@ -49,8 +50,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     def gdn_state_output(
         q: T.Tensor((1, num_tokens, H, K), dtype),
         k: T.Tensor((1, num_tokens, H, K), dtype),
-        w: T.Tensor((1, num_tokens, HV, K), dtype),
-        u: T.Tensor((1, num_tokens, HV, V), dtype),
+        a: T.Tensor((1, num_tokens, HV, C), dtype),
+        v: T.Tensor((1, num_tokens, HV, V), dtype),
         gamma: T.Tensor((HV, num_chunks, C), accum),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
@@ -59,7 +60,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
     ):
-        # V tiles fastest: the programs sharing one (sequence, head) run together and share Q/K/W in L2
+        # V tiles fastest: the programs sharing one (sequence, head) run together and share Q/K/Tb in L2
         with T.Kernel(NV, HV, num_seqs, threads=threads) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
@@ -71,17 +72,18 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             # pipelined operand tiles (TileLang multi-buffers them num_stages deep)
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
-            w_s = T.alloc_shared((C, K), dtype)
-            up_s = T.alloc_shared((C, BV), dtype)     # U'
+            a_s = T.alloc_shared((C, C), dtype)       # Tb
+            v_s = T.alloc_shared((C, BV), dtype)
             g_s = T.alloc_shared((C,), accum)         # gamma of the chunk
             # per-chunk operands made on chip
             s_s = T.alloc_shared((K, BV), dtype)      # bf16 copy of S
+            x_s = T.alloc_shared((C, BV), dtype)      # X = V - diag(Gamma) K S
             u_s = T.alloc_shared((C, BV), dtype)      # U
             ud_s = T.alloc_shared((C, BV), dtype)     # diag(Gamma_C / Gamma) U
             p_s = T.alloc_shared((C, C), dtype)       # Q K^T (.) D_incl
 
             S = T.alloc_fragment((K, BV), accum)
-            wu = T.alloc_fragment((C, BV), accum)     # W S, then U
+            xu = T.alloc_fragment((C, BV), accum)     # K S, X, then U
             acc_o = T.alloc_fragment((C, BV), accum)
             qk = T.alloc_fragment((C, C), accum)
             g_last = T.alloc_var(accum)
@@ -96,25 +98,34 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 n_valid = T.min(eos - t0, C)
                 T.copy(q[0, t0:t0 + C, hk, 0:K], q_s, annotations=TMA)
                 T.copy(k[0, t0:t0 + C, hk, 0:K], k_s, annotations=TMA)
-                T.copy(w[0, t0:t0 + C, hv, 0:K], w_s, annotations=TMA)
-                T.copy(u[0, t0:t0 + C, hv, v0:v0 + BV], up_s, annotations=TMA)
+                T.copy(a[0, t0:t0 + C, hv, 0:C], a_s, annotations=TMA)
+                T.copy(v[0, t0:t0 + C, hv, v0:v0 + BV], v_s, annotations=TMA)
                 T.copy(gamma[hv, c0 + ic, 0:C], g_s, annotations=TMA)
 
-                # group 1, issued together and waited on once: W S, Q S, Q K^T (all read this chunk's tiles and S)
+                # group 1, issued together and waited on once: K S, Q S, Q K^T (all read this chunk's tiles and S)
                 T.copy(S, s_s)
-                T.wgmma_gemm(w_s, s_s, wu, clear_accum=True)
+                T.fence_proxy_async()
+                T.wgmma_gemm(k_s, s_s, xu, clear_accum=True)
                 T.wgmma_gemm(q_s, s_s, acc_o, clear_accum=True)
                 T.wgmma_gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
                 T.wait_wgmma(0)
 
-                # CUDA-core work between the two groups: U = U' - W S and its decayed copy on the valid rows
-                # (0 elsewhere), the masked decayed Q K^T, diag(Gamma) Q S, Gamma_C S
+                # group 2: U = Tb X with X = V - diag(Gamma) K S on the valid rows (0 elsewhere)
+                for i, j in T.Parallel(C, BV):
+                    xu[i, j] = T.if_then_else(i < n_valid, v_s[i, j] - xu[i, j] * T.exp(g_s[i]), 0.0)
+                T.copy(xu, x_s)
+                T.fence_proxy_async()
+                T.wgmma_gemm(a_s, x_s, xu, clear_accum=True)
+                T.wait_wgmma(0)
+
+                # CUDA-core work before the last group: U and its decayed copy on the valid rows (0 elsewhere),
+                # the masked decayed Q K^T, diag(Gamma) Q S, Gamma_C S
                 g_last = g_s[n_valid - 1]
                 for i, j in T.Parallel(C, BV):
-                    wu[i, j] = T.if_then_else(i < n_valid, up_s[i, j] - wu[i, j], 0.0)
-                T.copy(wu, u_s)
+                    xu[i, j] = T.if_then_else(i < n_valid, xu[i, j], 0.0)
+                T.copy(xu, u_s)
                 for i, j in T.Parallel(C, BV):
-                    ud_s[i, j] = wu[i, j] * T.exp(g_last - g_s[i])
+                    ud_s[i, j] = xu[i, j] * T.exp(g_last - g_s[i])
                 # Q K^T (.) D_incl: causal incl. the diagonal, masked before the exp
                 for i, j in T.Parallel(C, C):
                     qk[i, j] = T.if_then_else(i >= j, T.if_then_else(i < n_valid, qk[i, j] * T.exp(g_s[i] - g_s[j]), 0.0), 0.0)
@@ -124,7 +135,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
 
-                # group 2: O += (Q K^T (.) D_incl) U and S += K^T diag(Gamma_C / Gamma) U, in flight together
+                # group 3: O += (Q K^T (.) D_incl) U and S += K^T diag(Gamma_C / Gamma) U, in flight together
+                T.fence_proxy_async()
                 T.wgmma_gemm(p_s, u_s, acc_o)
                 T.wgmma_gemm(k_s, ud_s, S, transpose_A=True)
                 T.wait_wgmma(0)

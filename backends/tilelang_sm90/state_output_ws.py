@@ -1,24 +1,32 @@
 """The state pass fused with the output, warp-specialized by hand: three warpgroups per program.
 
-    producer  (threads   0-127)  TMA: Q, K, W, U' and gamma of chunk i into stage i % 2
-    state     (threads 128-255)  the serial chain  S -> bf16 S -> W S -> U = U' - W S -> S' = Gamma_C S + K^T U_d
+    producer  (threads   0-127)  TMA: Q, K, Tb, V and gamma of chunk i into stage i % STAGES
+    state     (threads 128-255)  the serial chain, per chunk:
+                                   S -> bf16 S -> K S -> X = V - diag(Gamma) K S -> U = Tb X
+                                   -> S' = Gamma_C S + K^T diag(Gamma_C / Gamma) U
     output    (threads 256-383)  O = scale ( diag(Gamma) Q S + (Q K^T (.) D_incl) U ), stored
+
+U = Tb (V - diag(Gamma) K S) is the chunk's new values: with Tb = T diag(beta) from intra_chunk.py it equals
+U' - W S (U' = Tb V, W = Tb diag(Gamma) K), so W and U' never go through global memory. A chunk costs one
+more product on the chain (Tb X, 64 x 64 x BV) and reads 8 KB of Tb and BV columns of V instead of 16 KB of
+W and BV columns of U'.
 
 The state warpgroup hands the output warpgroup each chunk's bf16 S (before the update) and U through
 double-buffered shared tiles, so chunk i's output runs while the state chain already works on chunk
 i + 1. In state_output.py the output gemms and stores run in series with the chain (that kernel stays for
-128-wide V tiles, which do not fit here with two stages in shared memory).
+128-wide V tiles, which do not fit here in shared memory).
 
-Barriers (2 slots each, slot s = i % 2, phase parity (i // 2) % 2):
+Barriers (slot s = i % STAGES for the loads, i % 2 for the hand-over; phase parity = (i // slots) % 2):
     loaded[s]    producer -> both consumers: stage s holds chunk i (TMA bytes + 128 producer arrivals)
     freed[s]     both consumers -> producer: stage s may be overwritten (256 arrivals)
     su_ready[s]  state -> output: s_s[s] and u_s[s] hold chunk i's S and U (128 arrivals)
     su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
-A wait for a "free" barrier uses the flipped parity, so round 0 passes at once.
+A wait for a "free" barrier uses the flipped parity, so the first round passes at once.
 
-Same arguments, grid and contract as state_output.py (forward.py picks one by V tile), so the signature and
-the per-program sequence bounds repeat that kernel's. Tail chunks and the TMA boxes past a sequence's end
-behave as there too: U's rows and Q K^T's rows go through selects on `t < n_valid`, and only the stores
+Same grid and contract as state_output.py (forward.py picks one by V tile), so the signature and the
+per-program sequence bounds repeat that kernel's. Tail chunks and the TMA boxes past a sequence's end
+behave as there too: X's rows and Q K^T's rows go through selects on `t < n_valid` (Tb's columns past
+n_valid are zero, its rows there are never read: U's rows go through the same select), and only the stores
 write rows below n_valid.
 """
 import tilelang
@@ -32,12 +40,13 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
-                         store_final_state: bool = False, block_v: int = 64, K: int = 128, V: int = 128):
+                         store_final_state: bool = False, block_v: int = 64, stages: int = 3, K: int = 128,
+                         V: int = 128):
     C = CHUNK
-    BV = block_v     # <= 64: two stages of Q/K/W/U' plus the S/U hand-over tiles fill ~180 KB at 64
+    BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
-    assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64)
+    assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     GROUP = HV // H
 
     num_tokens = T.dynamic("num_tokens")
@@ -50,8 +59,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     def gdn_state_output_ws(
         q: T.Tensor((1, num_tokens, H, K), dtype),
         k: T.Tensor((1, num_tokens, H, K), dtype),
-        w: T.Tensor((1, num_tokens, HV, K), dtype),
-        u: T.Tensor((1, num_tokens, HV, V), dtype),
+        a: T.Tensor((1, num_tokens, HV, C), dtype),
+        v: T.Tensor((1, num_tokens, HV, V), dtype),
         gamma: T.Tensor((HV, num_chunks, C), accum),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
@@ -69,26 +78,26 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             c0 = chunk_offsets[n]
 
             # stage tiles (TMA destinations)
-            q_s = T.alloc_shared((2, C, K), dtype)
-            k_s = T.alloc_shared((2, C, K), dtype)
-            w_s = T.alloc_shared((2, C, K), dtype)
-            up_s = T.alloc_shared((2, C, BV), dtype)
-            g_s = T.alloc_shared((2, C), accum)
+            q_s = T.alloc_shared((stages, C, K), dtype)
+            k_s = T.alloc_shared((stages, C, K), dtype)
+            a_s = T.alloc_shared((stages, C, C), dtype)
+            v_s = T.alloc_shared((stages, C, BV), dtype)
+            g_s = T.alloc_shared((stages, C), accum)
             # state -> output hand-over
             s_s = T.alloc_shared((2, K, BV), dtype)
             u_s = T.alloc_shared((2, C, BV), dtype)
             # private to one role
-            ud_s = T.alloc_shared((C, BV), dtype)     # state: diag(Gamma_C / Gamma) U
+            x_s = T.alloc_shared((C, BV), dtype)      # state: X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
             p_s = T.alloc_shared((C, C), dtype)       # output: Q K^T (.) D_incl
 
             S = T.alloc_fragment((K, BV), accum)
-            wu = T.alloc_fragment((C, BV), accum)
+            x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
             acc_o = T.alloc_fragment((C, BV), accum)
             qk = T.alloc_fragment((C, C), accum)
             g_last = T.alloc_var(accum)
 
-            loaded = T.alloc_barrier(arrive_count=[128, 128])
-            freed = T.alloc_barrier(arrive_count=[256, 256])
+            loaded = T.alloc_barrier(arrive_count=[128] * stages)
+            freed = T.alloc_barrier(arrive_count=[256] * stages)
             su_ready = T.alloc_barrier(arrive_count=[128, 128])
             su_free = T.alloc_barrier(arrive_count=[128, 128])
 
@@ -97,13 +106,13 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 # ---- producer ----
                 T.set_max_nreg(40, 0)
                 for i in T.serial(n_chunks):
-                    s = i % 2
-                    T.barrier_wait(freed[s], ((i // 2) % 2) ^ 1)
+                    s = i % stages
+                    T.barrier_wait(freed[s], ((i // stages) % 2) ^ 1)
                     t0 = bos + i * C
                     T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(w[0, t0:t0 + C, hv, 0:K], w_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(u[0, t0:t0 + C, hv, v0:v0 + BV], up_s[s, :, :], barrier=loaded[s])
+                    T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
+                    T.tma_copy(v[0, t0:t0 + C, hv, v0:v0 + BV], v_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(gamma[hv, c0 + i, 0:C], g_s[s, :], barrier=loaded[s])
                     T.barrier_arrive(loaded[s])
             elif tx < 256:
@@ -114,26 +123,32 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 else:
                     T.clear(S)
                 for i in T.serial(n_chunks):
-                    s = i % 2
-                    ph = (i // 2) % 2
+                    s = i % stages
+                    h = i % 2
                     n_valid = T.min(eos - bos - i * C, C)
-                    T.barrier_wait(loaded[s], ph)
-                    T.barrier_wait(su_free[s], ph ^ 1)
-                    T.copy(S, s_s[s, :, :])
+                    T.barrier_wait(loaded[s], (i // stages) % 2)
+                    T.barrier_wait(su_free[h], ((i // 2) % 2) ^ 1)
+                    T.copy(S, s_s[h, :, :])
                     T.fence_proxy_async()
-                    T.wgmma_gemm(w_s[s, :, :], s_s[s, :, :], wu, clear_accum=True)     # W S
+                    T.wgmma_gemm(k_s[s, :, :], s_s[h, :, :], x, clear_accum=True)     # K S
+                    T.wait_wgmma(0)
+                    for r, j in T.Parallel(C, BV):
+                        x[r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * T.exp(g_s[s, r]), 0.0)
+                    T.copy(x, x_s)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)               # U = Tb X
                     T.wait_wgmma(0)
                     g_last = g_s[s, n_valid - 1]
                     for r, j in T.Parallel(C, BV):
-                        wu[r, j] = T.if_then_else(r < n_valid, up_s[s, r, j] - wu[r, j], 0.0)
-                    T.copy(wu, u_s[s, :, :])
+                        x[r, j] = T.if_then_else(r < n_valid, x[r, j], 0.0)
+                    T.copy(x, u_s[h, :, :])
                     for r, j in T.Parallel(C, BV):
-                        ud_s[r, j] = wu[r, j] * T.exp(g_last - g_s[s, r])
+                        x_s[r, j] = x[r, j] * T.exp(g_last - g_s[s, r])
                     T.fence_proxy_async()
-                    T.barrier_arrive(su_ready[s])
+                    T.barrier_arrive(su_ready[h])
                     for r, j in T.Parallel(K, BV):
                         S[r, j] = S[r, j] * T.exp(g_last)
-                    T.wgmma_gemm(k_s[s, :, :], ud_s, S, transpose_A=True)              # += K^T U_d
+                    T.wgmma_gemm(k_s[s, :, :], x_s, S, transpose_A=True)               # += K^T U_d
                     T.wait_wgmma(0)
                     T.barrier_arrive(freed[s])
                 if store_final_state:
@@ -142,14 +157,14 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 # ---- output ----
                 T.set_max_nreg(232, 1)
                 for i in T.serial(n_chunks):
-                    s = i % 2
-                    ph = (i // 2) % 2
+                    s = i % stages
+                    h = i % 2
                     t0 = bos + i * C
                     n_valid = T.min(eos - t0, C)
-                    T.barrier_wait(loaded[s], ph)
+                    T.barrier_wait(loaded[s], (i // stages) % 2)
                     T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
-                    T.barrier_wait(su_ready[s], ph)
-                    T.wgmma_gemm(q_s[s, :, :], s_s[s, :, :], acc_o, clear_accum=True)                 # Q S
+                    T.barrier_wait(su_ready[h], (i // 2) % 2)
+                    T.wgmma_gemm(q_s[s, :, :], s_s[h, :, :], acc_o, clear_accum=True)                 # Q S
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
                         qk[r, c] = T.if_then_else(r >= c, T.if_then_else(r < n_valid, qk[r, c] * T.exp(g_s[s, r] - g_s[s, c]), 0.0), 0.0)
@@ -157,9 +172,9 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     for r, j in T.Parallel(C, BV):
                         acc_o[r, j] = acc_o[r, j] * T.exp(g_s[s, r])
                     T.fence_proxy_async()
-                    T.wgmma_gemm(p_s, u_s[s, :, :], acc_o)                                              # += P U
+                    T.wgmma_gemm(p_s, u_s[h, :, :], acc_o)                                              # += P U
                     T.wait_wgmma(0)
-                    T.barrier_arrive(su_free[s])
+                    T.barrier_arrive(su_free[h])
                     T.barrier_arrive(freed[s])
                     for r, j in T.Parallel(C, BV):
                         if r < n_valid:
