@@ -36,9 +36,11 @@ def _tilelang():
 def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import intra_chunk, state_output, state_output_ws
-    module = {"intra_chunk": intra_chunk, "state_output": state_output, "state_output_ws": state_output_ws}[kind]
-    program = module.intra_chunk_program if kind == "intra_chunk" else module.state_output_program
+    from gdnkit.backends.tilelang_sm90 import intra_chunk, propagator, state_output, state_output_ws
+    module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
+                       "state_output": (state_output, state_output.state_output_program),
+                       "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
+                       "propagator": (propagator, propagator.propagator_program)}[kind]
     return tilelang.compile(program(H, HV, dtype, **options), target=SM90,
                             pass_configs=module.PASS_CONFIGS).get_kernel_source()
 
@@ -79,6 +81,15 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
         src = _source("state_output", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
                       threads=fwd.PIPELINED_THREADS)
     _assert_hopper_paths(src)
+
+
+@pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (4, 16, "float16")])
+def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
+    _tilelang()
+    src = _source("propagator", H, HV, dtype, block_v=64)
+    _assert_hopper_paths(src)
+    # U' is loaded only by the column tiles of E (P's tiles start from the identity with U' = 0)
+    assert src.count("tma_load(u_desc") == 1 and "blockIdx.x) < 2" in src
 
 
 def _hopper(capability=(9, 0), tilelang="0.1.15"):
@@ -412,6 +423,27 @@ def _state_stand_in(has_h0, store_ht):
     return run
 
 
+def _propagator_stand_in(k, w, u, gamma, cu, chunk_offsets, aug):
+    """What the propagator writes per segment (of cu): [E | P], the chain S -> Gamma_C S + K^T diag(Gamma_C /
+    Gamma) (U' - W S) run from zeros with U' (E), and from the identity with U' = 0 (P)."""
+    grp = w.shape[2] // k.shape[2]
+    Kd, Vd = k.shape[-1], u.shape[-1]
+    for n in range(cu.numel() - 1):
+        bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
+        for hv in range(w.shape[2]):
+            E = torch.zeros(Kd, Vd, dtype=torch.float64)
+            P = torch.eye(Kd, dtype=torch.float64)
+            for ic in range(-(-(eos - bos) // 64)):
+                t0 = bos + ic * 64
+                m = min(eos - t0, 64)
+                kk, ww, up = (x[0, t0:t0 + m, h].double() for x, h in ((k, hv // grp), (w, hv), (u, hv)))
+                gs = gamma[hv, c0 + ic, :m].double()
+                decay = torch.exp(gs[-1] - gs)[:, None]
+                E = E * gs[-1].exp() + kk.T @ ((up - ww @ E) * decay)
+                P = P * gs[-1].exp() - kk.T @ ((ww @ P) * decay)
+            aug[n, hv] = torch.cat([E, P], dim=-1).float()
+
+
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
 def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
     """Everything forward() does around its two launches, checked on a CPU: the packed view of dense and
@@ -457,10 +489,10 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
 
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
 def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monkeypatch):
-    """The context-parallel forward's glue: segment plan, gamma gathered into the Triton kernels' per-token
-    log2 layout, triton_generic's propagator pass and segment scan (interpreted here), then the state pass
-    over segments from their initial states. The two TileLang kernels are replaced by float64 stand-ins
-    of their contracts, so this checks everything around them against the plain path and float64."""
+    """The context-parallel forward's glue: segment plan, the propagator's [E | P] handed to triton_generic's
+    segment scan (interpreted here), then the state pass over segments from their initial states. The three
+    TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks everything around
+    them against the plain path and float64."""
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -470,6 +502,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
     monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_wu=False: _intra_stand_in)
     monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
+    monkeypatch.setattr(fwd, "propagator_kernel", lambda H, HV, dt: _propagator_stand_in)
 
     gen = torch.Generator().manual_seed(1)
     H, HV, T, N = 1, 2, sum(lengths) + 5, len(lengths)  # 5 tokens past the last sequence

@@ -5,14 +5,12 @@ H=2 HV=8 with one sequence of 32768 tokens that is 32 programs at the narrowest 
 the sequences are cut into segments of `seg` chunks, and the pass runs per segment with the right initial
 state (ALGORITHM.md section 4):
 
-    1. propagator pass, per segment, from a zero state: S_end = P S_0 + E, giving [E | P]
+    1. every segment's transition, S_end = P S_0 + E, giving [E | P] (TileLang, propagator.py)
     2. scan over each sequence's segments: S_0 of segment j + 1 = P_j S_0 of j + E_j (and the final state)
-    3. the state pass fused with the output, per segment, from those S_0 (TileLang, state_output.py)
+    3. the state pass fused with the output, per segment, from those S_0 (TileLang, state_output*.py)
 
-Steps 1-2 reuse triton_generic's propagator pass and segment scan. Those are Triton kernels, measured
-and verified on the H200 as that backend's own context parallelism. The intra-chunk products feed them
-as they are: W and U' in the same layout, and gamma (natural log, one row per chunk) gathered per token
-into the log2 layout the Triton kernels read. Without triton installed, the forward runs without context
+Step 2 is triton_generic's segment scan (a Triton kernel, verified on the H200 as that backend's own
+context parallelism; ~0.02 ms at 2/8 1x32768). Without triton installed, the forward runs without context
 parallelism.
 """
 from __future__ import annotations
@@ -26,7 +24,6 @@ import torch
 from gdnkit.seqlayout import SequenceLayout
 
 CHUNK = 64
-LOG2E = 1.4426950408889634
 # None: decide from the SM count; 0: never; n: segments of n chunks whenever a sequence is longer (tests)
 SEGMENT_CHUNKS = None
 # Below 32 chunks a segment, the kernel time gained is nil (2/8 1x2048: 0.068 ms plain, 0.066 with 8-chunk
@@ -69,41 +66,26 @@ def available() -> bool:
 @dataclasses.dataclass(frozen=True)
 class SegmentPlan:
     segments: object                 # triton_generic.context_parallel.Segments
-    chunk_offsets: torch.Tensor      # [n_seg + 1] int32: the state pass's chunk_offsets over segments
-    gamma_slot: torch.Tensor         # [tokens] long: row * 64 + position of each token in gamma (0 past the end)
+    chunk_offsets: torch.Tensor      # [n_seg + 1] int32: chunk-table row of each segment's first chunk
 
 
 @functools.lru_cache(maxsize=32)
-def plan_segments(layout: SequenceLayout, seg: int, total: int) -> SegmentPlan:
+def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
     """Cached per layout (itself cached per cu_seqlens tensor): a repeated call builds nothing."""
     from gdnkit.backends.triton_generic.context_parallel import cut_segments
     segments = cut_segments(layout, seg)
     dev = layout.cu_seqlens.device
     chunk_offsets = torch.cat([segments.chunk_offsets,
                                torch.tensor([layout.n_chunks], dtype=torch.int32, device=dev)])
-    t = torch.arange(total, device=dev)
-    end = layout.offsets[-1]
-    seq = (torch.searchsorted(layout.cu_seqlens[1:].long(), t.clamp(max=max(end - 1, 0)), right=True))
-    pos = t - layout.cu_seqlens.long()[seq]
-    slot = (layout.chunk_offsets.long()[seq] + pos // CHUNK) * CHUNK + pos % CHUNK
-    slot = torch.where(t < end, slot, torch.zeros_like(slot))
-    return SegmentPlan(segments, chunk_offsets, slot)
+    return SegmentPlan(segments, chunk_offsets)
 
 
-def segment_states(plan: SegmentPlan, q, k, w, u, gamma, h0, scale: float, n_chunks: int, N: int,
-                   output_final_state: bool):
-    """Steps 1-2: every segment's initial state [n_seg, HV, K, V] fp32 and the sequences' final states."""
-    from gdnkit.backends.triton_generic.chunked import STATE_WARPS, _widest
+def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype):
+    """Step 2, from step 1's aug [n_seg, HV, K, V + K]: every segment's initial state [n_seg, HV, K, V] fp32 and
+    the sequences' final states."""
     from gdnkit.backends.triton_generic._common import dot_precision
     from gdnkit.backends.triton_generic.context_parallel import segment_scan
-    from gdnkit.backends.triton_generic.state_pass import state_pass
 
-    _, total, HV, V = u.shape
-    K = k.shape[-1]
-    sg = plan.segments
-    # per-token chunk-local cumulative gate, log2 units, [1, tokens, HV] (the Triton kernels' gcum)
-    gcum = (gamma.reshape(HV, -1)[:, plan.gamma_slot] * LOG2E).t().contiguous().unsqueeze(0)
-    aug = state_pass(q, k, w, u, gcum, scale, None, total, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets, n_chunks,
-                     False, False, fuse_output=False, store_h=False, store_vnew=False, BV=_widest(K, V + K),
-                     num_warps=STATE_WARPS, num_stages=1, propagator=True)[3]
-    return segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, False, output_final_state, dot_precision(k.dtype))
+    _, HV, K, VK = aug.shape
+    return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,
+                        dot_precision(dtype))

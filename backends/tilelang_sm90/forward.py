@@ -8,14 +8,16 @@ options being initial/final state and the state pass's V tile (32/64/128, picked
 SM count: at most three builds per key). Token count, sequence count and chunk count are symbolic
 (T.dynamic) in every kernel, and `scale` is a runtime argument.
 
-The state pass has two kernels, picked by the V tile (H200, 2026-11-29, JOURNAL.md session 3):
+The intra kernel writes Tb = T diag(beta) (64 values per token and value head) and gamma; the state pass
+makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session 4: 16/64 1x32768 2.38 ->
+2.16 ms against writing W and U' and reading them back). It has two kernels, picked by the V tile:
 - BV = 32 / 64 (fewer (sequence, head) pairs than SMs): state_output_ws.py, three warpgroups (TMA
-  producer, state chain, output), so chunk i's output overlaps chunk i + 1's state update. 16/64 1x32768:
-  1.60 -> 1.28 ms; 2/8 1x32768: 1.11 -> 0.83 ms.
+  producer, state chain, output), so chunk i's output overlaps chunk i + 1's state update.
 - BV = 128 (enough pairs to fill the SMs): state_output.py, one consumer pair on TileLang's pipeliner. Its
-  128-wide tile reads Q, K and W once per head; the three-warpgroup kernel does not fit 128 columns in
-  shared memory and was 4% slower at BV = 64 there (16/64 4096x8: 1.29 against 1.24 ms).
-Few long sequences also get context parallelism (context_parallel.py).
+  128-wide tile reads Q, K and Tb once per head; the three-warpgroup kernel does not fit 128 columns in
+  shared memory and was 4% slower at BV = 64 there (session 3, 16/64 4096x8: 1.29 against 1.24 ms).
+Few long sequences also get context parallelism (context_parallel.py): its TileLang propagator reads W and
+U', so there the intra kernel's `emit_wu` variant writes them too.
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue using gdnkit.prep's math.
@@ -78,14 +80,15 @@ def _jit():
     """The tilelang.jit wrappers, built on first use (importing this module needs no tilelang)."""
     import tilelang
 
-    from . import intra_chunk, state_output, state_output_ws
+    from . import intra_chunk, propagator, state_output, state_output_ws
 
     def jit(module, program):
         return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
 
     return (jit(intra_chunk, intra_chunk.intra_chunk_program),
             jit(state_output, state_output.state_output_program),
-            jit(state_output_ws, state_output_ws.state_output_program))
+            jit(state_output_ws, state_output_ws.state_output_program),
+            jit(propagator, propagator.propagator_program))
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,6 +107,12 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
                          block_v=block_v, stages=WS_STAGES[block_v])
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS)
+
+
+@functools.lru_cache(maxsize=None)
+def propagator_kernel(H: int, HV: int, dtype: str):
+    """Context parallelism's segment transitions [E | P], in 64-wide column tiles."""
+    return _jit()[3](H, HV, dtype, block_v=64)
 
 
 def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
@@ -161,16 +170,17 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
         seg = _segment_chunks(layout, HV, dev)
         if seg:
-            # context parallelism: the segments' initial states first (from W and U'), then the output pass
-            # over segments
+            # context parallelism: the segments' transitions [E | P] from W and U' (TileLang propagator), their
+            # initial states by the segment scan, then the output pass over segments
             w = torch.empty(1, total, HV, K, device=dev, dtype=k.dtype)
             u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
             intra_chunk_kernel(H, HV, dt, True)(*stage_args, v, w, u)
             if intermediates is not None:
                 intermediates.update(w=w, u=u)
-            plan = context_parallel.plan_segments(layout, seg, total)
-            s0, ht = context_parallel.segment_states(plan, q, k, w, u, gamma, h0, float(problem.scale),
-                                                     layout.n_chunks, N, problem.output_final_state)
+            plan = context_parallel.plan_segments(layout, seg)
+            aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
+            propagator_kernel(H, HV, dt)(k, w, u, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
+            s0, ht = context_parallel.segment_states(plan, aug, h0, N, problem.output_final_state, k.dtype)
             n_seg = plan.segments.n_seg
             kernel = state_output_kernel(H, HV, dt, True, False, _plan_block_v(n_seg, HV, dev))
             kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
