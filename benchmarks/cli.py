@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-jobs", type=int, default=0,
                    help="compile every implementation's kernels for the grid first, in this many parallel "
                         "processes (16 on the H200: FlashQLA's compiles otherwise overrun a 10-minute run)")
+    p.add_argument("--stages", action="store_true",
+                   help="also record where each call's device time goes, per kernel (profiler; CUDA only): "
+                        "details.json stages_ms, and one log line per row")
     p.add_argument("--report-only", action="store_true", help="rewrite results.md/speedup.png from latest.json")
     p.add_argument("--json", action="store_true", help="print this run's rows as JSON on stdout at the end")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = RunConfig(grid=grid, impls=impls, device=device, anchors=args.anchors, cached_rows=cached_rows,
                     reps=max(args.reps, timing.MIN_REPS), timing_method=args.timing, budget_s=args.budget_s,
-                    run_id=run_id, log=log, on_point_done=persist, progress=not args.no_progress)
+                    run_id=run_id, log=log, on_point_done=persist, progress=not args.no_progress,
+                    stages=args.stages)
     t0 = time.monotonic()
     if args.warm_jobs and device.type == "cuda":
         def log_both(msg: str) -> None:

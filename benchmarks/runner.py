@@ -103,6 +103,7 @@ class RunConfig:
     log: Callable[[str], None] = print
     on_point_done: Callable[[Outcome], None] | None = None
     progress: bool = True
+    stages: bool = False  # also record each kernel's device ms per call (extras["stages_ms"], CUDA only)
 
 
 def _n_input_sets(point: Point, device: torch.device) -> int:
@@ -281,6 +282,8 @@ class Runner:
         extras: dict[str, Any] = {"timing": kern.method, "timing_note": kern.note, "spread": round(kern.spread, 4),
                                   "samples": len(kern.samples_ms), "input_sets": len(sets), "run": cfg.run_id,
                                   **bwd_extras}
+        if cfg.stages:
+            extras["stages_ms"] = timing.stage_times(fns["main"], dev, reps=cfg.reps)
         if point.pass_ == "decode":
             extras["state_GBps"] = round(2 * state_bytes(point) / (kernel_ms * 1e-3) / 1e9, 2)
         acc = self._accuracy(impl, point)
@@ -367,6 +370,9 @@ class Runner:
                              f"({extras['timing']}{'; ' + extras['timing_note'] if extras['timing_note'] else ''}), "
                              f"eager {row['eager_ms']:.4f} ms, peak {row['peak_mem_bytes']}, "
                              f"err {row['rel_err_vs_ref']}, diff {extras.get('diff_vs')}, {extras['seconds']} s")
+                if extras.get("stages_ms"):
+                    self.cfg.log(f"[stages] {point.describe()} {impl.name}: "
+                                 + ", ".join(f"{name} {ms:.4f}" for name, ms in extras["stages_ms"].items()))
             except Unsupported as exc:
                 self._event(point, impl.name, "unsupported", str(exc))
             except Exception as exc:

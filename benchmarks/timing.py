@@ -218,6 +218,31 @@ def attribute(windows: list[tuple[float, int]], activity: list[tuple[float, floa
     return per_call, note
 
 
+def group_stages(events: list[tuple[str, float]], calls: int, width: int = 80) -> dict[str, float]:
+    """Device ms per call of each kernel name (names cut to `width` characters) from (name, us) pairs
+    recorded over `calls` calls, largest first."""
+    per: dict[str, float] = {}
+    for name, us in events:
+        key = name[:width]
+        per[key] = per.get(key, 0.0) + us / 1e3 / calls
+    return {name: round(ms, 5) for name, ms in sorted(per.items(), key=lambda kv: -kv[1])}
+
+
+def stage_times(fns: Sequence[Fn], device, reps: int = MIN_REPS) -> dict[str, float]:
+    """Where a call's device time goes: ms per call of each kernel (copies and memsets included), from one
+    profiler session over `reps` calls. Empty off CUDA."""
+    if not _is_cuda(device):
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for fn in _cycle(fns, reps):
+            fn()
+        torch.cuda.synchronize(device)
+    return group_stages([(ev.name, ev.time_range.elapsed_us()) for ev in _device_events(prof)], reps)
+
+
 def time_profiler(fns: Sequence[Fn], device, reps: int = MIN_REPS, warmup: int = 3) -> Timing:
     """Median per-call sum of device time (kernels, copies, memsets) over `reps` profiled calls."""
     for fn in _cycle(fns, max(warmup, 1) * len(fns)):

@@ -140,6 +140,16 @@ def test_profiler_attribution_by_time_windows():
     assert per_call == pytest.approx([0.14 / 3] * 3) and "failed" in note
 
 
+def test_stage_times_group_kernels_per_call():
+    # two calls: kernel a twice per call (20 + 30 us), b once (100 us); names cut to the width
+    events = [("a_kernel", 20.0), ("b_kernel_with_a_long_name", 100.0), ("a_kernel", 30.0),
+              ("a_kernel", 20.0), ("b_kernel_with_a_long_name", 100.0), ("a_kernel", 30.0)]
+    stages = timing.group_stages(events, calls=2, width=8)
+    assert list(stages) == ["b_kernel", "a_kernel"]  # largest first
+    assert stages == {"b_kernel": pytest.approx(0.1), "a_kernel": pytest.approx(0.05)}
+    assert timing.stage_times([lambda: None], "cpu") == {}  # the profiler's device view exists on CUDA only
+
+
 # -- runner --------------------------------------------------------------------------------------
 def test_failure_at_one_point_is_recorded_and_the_run_goes_on():
     bad = FakeImpl("gdnkit:bad", fail_at=12)  # fails on the 3+9 point only
