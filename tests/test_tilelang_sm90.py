@@ -36,8 +36,9 @@ def _tilelang():
 def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import intra_chunk, propagator, state_output, state_output_ws
+    from gdnkit.backends.tilelang_sm90 import backward_state, intra_chunk, propagator, state_output, state_output_ws
     module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
+                       "backward_state": (backward_state, backward_state.backward_state_program),
                        "state_output": (state_output, state_output.state_output_program),
                        "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
                        "propagator": (propagator, propagator.propagator_program)}[kind]
@@ -90,6 +91,16 @@ def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
     _assert_hopper_paths(src)
     # U' is loaded only by the column tiles of E (P's tiles start from the identity with U' = 0)
     assert src.count("tma_load(u_desc") == 1 and "blockIdx.x) < 2" in src
+
+
+@pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv", [(16, 32, "bfloat16", True, True, 64), (4, 8, "float16", False, False, 32)])
+def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv):
+    _tilelang()
+    src = _source("backward_state", H, HV, dtype, has_dht=dht, store_dh0=dh0, block_v=bv)
+    _assert_hopper_paths(src)
+    assert src.count("wgmma_ss") == 6, "the six products (three on the chain, one on the side) are not all wgmma"
+    assert "tma_store(dh_desc" in src and "tma_store(du_desc" in src, "dS_end / dU stores did not lower to TMA"
+    assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
 
 
 def _hopper(capability=(9, 0), tilelang="0.1.15"):
@@ -582,3 +593,49 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     assert context_parallel.segment_chunks(seqlayout.sequence_layout(cu), HV, sms=132) == expected
+
+
+@pytest.mark.gpu
+def test_backward_state_matches_reference_chunked_backward():
+    """The sm90 backward's sequential pass alone, fed by the forward's intra kernel (Tb, gamma), against
+    backends/reference/chunked_backward.py: dU and dS_end of every chunk, dV and dh0, one sequence of 200
+    tokens (a chunk tail of 8) with a final-state gradient."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    tl = _tilelang()
+    from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    from gdnkit.backends.tilelang_sm90 import backward_state
+    from gdnkit.backends.tilelang_sm90.forward import TARGET, forward
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    from gdnkit import seqlayout
+
+    H, HV, T, dev = 2, 4, 200, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    v = r(1, T, HV, V).to(torch.bfloat16)
+    g, beta, do, dht = F.logsigmoid(r(1, T, HV)), torch.sigmoid(r(1, T, HV)), r(1, T, HV, V).to(torch.bfloat16), r(1, HV, K, V)
+    with torch.no_grad():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta)
+        got = {}
+        forward(problem, inputs, intermediates=got)
+        layout = seqlayout.sequence_layout(torch.tensor([0, T], device=dev, dtype=torch.int32))
+        kernel = tl.compile(backward_state.backward_state_program(H, HV, "bfloat16", True, True),
+                            target=TARGET, pass_configs=backward_state.PASS_CONFIGS)
+        nc = layout.n_chunks
+        du, dv = (torch.full((1, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16) for _ in range(2))
+        dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
+        dh0 = torch.full((1, HV, K, V), float("nan"), device=dev)
+        kernel(q, k, got["a"], do, got["gamma"].reshape(HV, nc, 64), layout.cu_seqlens, layout.chunk_offsets, dht,
+               du, dv, dh, dh0, float(problem.scale))
+        torch.cuda.synchronize()
+        rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
+        ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
+                                   do.double(), dht=dht.double())
+    per_token = lambda x: x.movedim(1, 3).reshape(1, -1, HV, x.shape[-1])[:, :T]  # noqa: E731
+    checks = {"dU": (du, per_token(ref.dU)), "dV": (dv, ref.dv), "dh0": (dh0, ref.dh0),
+              "dS_end": (dh, ref.dh[0].movedim(1, 0))}
+    for name, (out, want) in checks.items():
+        assert not out.isnan().any(), name
+        assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
