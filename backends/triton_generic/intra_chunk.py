@@ -19,6 +19,17 @@ def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
 
 
 @triton.jit
+def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
+    """One 16-row band of T (rows `rows` of the chunk, valid where m): its four 16 x 16 blocks side by side."""
+    p = tb + rows[:, None] * (HV * 64) + tl.arange(0, 16)[None, :]
+    dt = tb.dtype.element_ty
+    tl.store(p, b0.to(dt), mask=m[:, None])
+    tl.store(p + 16, b1.to(dt), mask=m[:, None])
+    tl.store(p + 32, b2.to(dt), mask=m[:, None])
+    tl.store(p + 48, b3.to(dt), mask=m[:, None])
+
+
+@triton.jit
 def _solve_chunk(k, g, beta, gcum, tmat, bos, L, t0, i_h, i_hk, H: tl.constexpr, HV: tl.constexpr,
                  K: tl.constexpr, BK: tl.constexpr, CUMSUM: tl.constexpr, PREC: tl.constexpr):
     """gamma (stored as gcum when CUMSUM, else read from it), A, and T = (I + A)^-1 stored to tmat."""
@@ -113,23 +124,10 @@ def _solve_chunk(k, g, beta, gcum, tmat, bos, L, t0, i_h, i_hk, H: tl.constexpr,
 
     tb = tmat + (bos * HV + i_h) * 64
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    ca = tl.arange(0, 16)
-    tl.store(tb + r0[:, None] * (HV * 64) + ca[None, :], t00.to(tmat.dtype.element_ty), mask=m0[:, None])
-    tl.store(tb + r0[:, None] * (HV * 64) + 16 + ca[None, :], zero.to(tmat.dtype.element_ty), mask=m0[:, None])
-    tl.store(tb + r0[:, None] * (HV * 64) + 32 + ca[None, :], zero.to(tmat.dtype.element_ty), mask=m0[:, None])
-    tl.store(tb + r0[:, None] * (HV * 64) + 48 + ca[None, :], zero.to(tmat.dtype.element_ty), mask=m0[:, None])
-    tl.store(tb + r1[:, None] * (HV * 64) + ca[None, :], t10.to(tmat.dtype.element_ty), mask=m1[:, None])
-    tl.store(tb + r1[:, None] * (HV * 64) + 16 + ca[None, :], t11.to(tmat.dtype.element_ty), mask=m1[:, None])
-    tl.store(tb + r1[:, None] * (HV * 64) + 32 + ca[None, :], zero.to(tmat.dtype.element_ty), mask=m1[:, None])
-    tl.store(tb + r1[:, None] * (HV * 64) + 48 + ca[None, :], zero.to(tmat.dtype.element_ty), mask=m1[:, None])
-    tl.store(tb + r2[:, None] * (HV * 64) + ca[None, :], t20.to(tmat.dtype.element_ty), mask=m2[:, None])
-    tl.store(tb + r2[:, None] * (HV * 64) + 16 + ca[None, :], t21.to(tmat.dtype.element_ty), mask=m2[:, None])
-    tl.store(tb + r2[:, None] * (HV * 64) + 32 + ca[None, :], t22.to(tmat.dtype.element_ty), mask=m2[:, None])
-    tl.store(tb + r2[:, None] * (HV * 64) + 48 + ca[None, :], zero.to(tmat.dtype.element_ty), mask=m2[:, None])
-    tl.store(tb + r3[:, None] * (HV * 64) + ca[None, :], t30.to(tmat.dtype.element_ty), mask=m3[:, None])
-    tl.store(tb + r3[:, None] * (HV * 64) + 16 + ca[None, :], t31.to(tmat.dtype.element_ty), mask=m3[:, None])
-    tl.store(tb + r3[:, None] * (HV * 64) + 32 + ca[None, :], t32.to(tmat.dtype.element_ty), mask=m3[:, None])
-    tl.store(tb + r3[:, None] * (HV * 64) + 48 + ca[None, :], t33.to(tmat.dtype.element_ty), mask=m3[:, None])
+    _store_band(tb, r0, m0, t00, zero, zero, zero, HV)
+    _store_band(tb, r1, m1, t10, t11, zero, zero, HV)
+    _store_band(tb, r2, m2, t20, t21, t22, zero, HV)
+    _store_band(tb, r3, m3, t30, t31, t32, t33, HV)
 
 
 @triton.jit
