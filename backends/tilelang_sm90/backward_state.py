@@ -22,6 +22,8 @@ with zeros past cu_seqlens[-1] (an unwritten row could hold NaN).
 import tilelang
 import tilelang.language as T
 
+from .state_output import sequence_bounds
+
 CHUNK = 64
 THREADS = 384
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
@@ -63,10 +65,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            n_chunks = T.ceildiv(eos - bos, C)
-            c0 = chunk_offsets[n]
+            bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
 
             # stage tiles (TMA destinations)
             q_s = T.alloc_shared((stages, C, K), dtype)
