@@ -89,6 +89,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             # private to one role
             x_s = T.alloc_shared((C, BV), dtype)      # state: X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
             p_s = T.alloc_shared((C, C), dtype)       # output: Q K^T (.) D_incl
+            o_s = T.alloc_shared((C, BV), dtype)      # output: O of a full chunk, the source of its TMA store
 
             S = T.alloc_fragment((K, BV), accum)
             x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
@@ -186,8 +187,15 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.wait_wgmma(0)
                     T.barrier_arrive(su_free[h])
                     T.barrier_arrive(freed[s])
-                    for r, j in T.Parallel(C, BV):
-                        if r < n_valid:
-                            o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
+                    if n_valid == C:
+                        # whole 128-byte lines through one TMA store, instead of 4-byte stores per thread
+                        for r, j in T.Parallel(C, BV):
+                            o_s[r, j] = acc_o[r, j] * scale
+                        T.copy(o_s, o[0, t0:t0 + C, hv, v0:v0 + BV])
+                    else:
+                        # a tail chunk stores its valid rows only: a TMA box would overwrite the next sequence's
+                        for r, j in T.Parallel(C, BV):
+                            if r < n_valid:
+                                o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
 
     return gdn_state_output_ws
