@@ -77,6 +77,8 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
         src = _source("state_output_ws", H, HV, dtype, **options)
         # the roles' register budgets: the TMA producer gives registers back, the two consumers take them
         assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
+        # full chunks of O leave through shared memory and a TMA store
+        assert "tma_store(o_desc" in src, "O stores did not lower to TMA"
     else:
         src = _source("state_output", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
                       threads=fwd.PIPELINED_THREADS)
