@@ -15,7 +15,7 @@ timeout 190 python -m pytest -q -p no:cacheprovider --tb=short --durations=8 -m 
     tests/test_cross_backend.py \
     > "$OUT/gpu_tests.txt" 2>&1 &
 tests=$!
-timeout $((budget + 250)) python -m gdnkit bench --grid quick --passes "$passes" --warm-jobs 15 \
+timeout $((budget + 250)) python -m gdnkit bench --grid quick --passes "$passes" --warm-jobs 15 --stages \
     --budget-s "$budget" --no-progress --out "$OUT/h200" > "$OUT/bench.txt" 2>&1
 echo "bench rc=$?"
 wait $tests
