@@ -9,8 +9,6 @@
 The state pass makes the new values from Tb on chip, U = Tb (V - diag(Gamma) K S) (state_output_ws.py), so
 W = T diag(beta Gamma) K and U' = T diag(beta) V are not written for it: per chunk and value head Tb is
 8 KB where W and U' were 32 KB written here and read back there (16/64 1x32768: ~1.07 GB each way).
-With `emit_wu` the kernel also writes W and U' (the scalings go on T's columns in registers, K and V stay
-as loaded), for context parallelism's Triton propagator pass, which reads them.
 
 gamma is written as [HV, num_chunks, 64] fp32 (natural log, one row per entry of the chunk table, so the
 state pass loads a chunk's 64 values with one TMA box whose start is row-aligned. A token-contiguous gamma
@@ -28,14 +26,13 @@ The tiles are small fp32 blocks (16 x 17 padded, 32 x 32), ~25 KB in all with K'
 the same solve (four 64 x 64 x 64 tf32 products through 16 KB tiles, several stored transposed) moved
 ~0.5 MB of shared memory per chunk and kept the L1/shared pipe 86% busy (ncu, H200).
 
-One warpgroup per CTA; the other CTAs on the SM hide each one's serial steps. With `emit_wu`, K is loaded
-twice (for K K^T, then for W) and V late, so TileLang's merge of shared buffers by lifetime can put them
-in bytes the solve no longer uses. Full chunks leave through shared memory and one TMA store per output.
+One warpgroup per CTA; the other CTAs on the SM hide each one's serial steps. Full chunks of Tb leave
+through shared memory and one TMA store.
 
 Varlen: the grid is the chunk table of gdnkit.seqlayout ([num_chunks, 2] = (sequence, chunk within
 the sequence)). A tail chunk's TMA box reads rows past the sequence's end (the next sequence's tokens, or
 zeros past the tensor's end): those rows get beta = 0 and g = 0, which makes their rows and columns of Tb
-(and rows of W and U') zero and leaves the valid rows exact; stores are masked to the valid rows.
+zero and leaves the valid rows exact; stores are masked to the valid rows.
 """
 
 import tilelang
@@ -49,27 +46,21 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
 @T.macro
-def _store_rows(acc, stage, dst, t0, head, n_valid):
-    """The C x n tile `acc` (an fp32 fragment, or a shared tile already in dst's dtype: then stage is None)
-    into rows t0.. of dst[0, :, head, :]. A full chunk goes through shared memory and one TMA store: whole
-    128-byte lines instead of per-thread 4-byte stores that fill half of each 32-byte sector. A tail chunk
-    stores only its valid rows, since a TMA box would also overwrite the next sequence's first rows."""
+def _store_rows(src, dst, t0, head, n_valid):
+    """The C x n shared tile `src` (in dst's dtype) into rows t0.. of dst[0, :, head, :]. A full chunk leaves
+    by one TMA store: whole 128-byte lines instead of per-thread 4-byte stores that fill half of each 32-byte
+    sector. A tail chunk stores only its valid rows, since a TMA box would also overwrite the next sequence's
+    first rows."""
     if n_valid == CHUNK:
-        if stage is None:
-            T.copy(acc, dst[0, t0:t0 + CHUNK, head, :])
-        else:
-            T.copy(acc, stage)
-            T.copy(stage, dst[0, t0:t0 + CHUNK, head, :])
+        T.copy(src, dst[0, t0:t0 + CHUNK, head, :])
     else:
-        for i, j in T.Parallel(CHUNK, acc.shape[1]):
+        for i, j in T.Parallel(CHUNK, src.shape[1]):
             if i < n_valid:
-                dst[0, t0 + i, head, j] = acc[i, j]
+                dst[0, t0 + i, head, j] = src[i, j]
 
 
-def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool = False, K: int = 128,
-                        V: int = 128):
-    """The TileLang prim_func for (H, HV, dtype, emit_wu). Token count, sequence count and chunk count are
-    symbolic. Arguments: k, g, beta, cu_seqlens, chunk_indices, a (Tb), gamma; with emit_wu also v, w, u."""
+def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128):
+    """The TileLang prim_func for (H, HV, dtype). Token count, sequence count and chunk count are symbolic."""
     # ---- tile shapes (fixed by the algebra at K = V = 128) ----
     C = CHUNK        # chunk length: rows of every tile; A and T are C x C
     BLK = 16         # diagonal block of the solve: forward substitution on CUDA cores, one thread per column
@@ -84,8 +75,16 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool 
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
 
-    @T.macro
-    def body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, v, w, u):
+    @T.prim_func
+    def gdn_intra_chunk(
+        k: T.Tensor((1, num_tokens, H, K), dtype),
+        g: T.Tensor((1, num_tokens, HV), accum),
+        beta: T.Tensor((1, num_tokens, HV), accum),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_indices: T.Tensor((num_chunks, 2), "int32"),
+        a: T.Tensor((1, num_tokens, HV, C), dtype),
+        gamma: T.Tensor((HV, num_chunks, C), accum),
+    ):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (bc, hv):
             hk = hv // GROUP
             seq = chunk_indices[bc, 0]
@@ -94,12 +93,10 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool 
             t0 = bos + chunk_indices[bc, 1] * C
             n_valid = T.min(eos - t0, C)  # rows of this chunk inside the sequence (1..64)
 
-            # bf16 operand tiles, TMA destinations. With emit_wu, K arrives twice: k0_s for K K^T at the
-            # start, k_s for W after the solve's third product, V after its fourth. Their lifetimes then
-            # overlap only the solve tiles already dead, so TileLang's shared-memory merge puts them in the
-            # same bytes (the second K read is an L2 hit: this CTA read it microseconds before).
+            # K's tile (a TMA destination), dead after K K^T: TileLang's merge of shared buffers by lifetime
+            # lets the solve's tiles reuse its bytes
             k0_s = T.alloc_shared((C, K), dtype)
-            tb_s = T.alloc_shared((C, C), dtype)      # Tb = T diag(beta) in bf16: stored, and U' = Tb V
+            tb_s = T.alloc_shared((C, C), dtype)      # Tb = T diag(beta) in bf16, the source of its TMA store
             g_s = T.alloc_shared((C,), accum)         # g, then gamma = its chunk-local cumsum
             b_s = T.alloc_shared((C,), accum)
             # fp32 tiles of the solve, small and padded (rows of 17) so column walks do not conflict
@@ -179,73 +176,16 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool 
             T.gemm(t32b_s, m32_s, p32, clear_accum=True)
             for i, j in T.Parallel(H32, H32):
                 m32_s[i, j] = -p32[i, j]
-            if emit_wu:
-                # K for W lands in bytes the merge may share with the dead tiles of the solve
-                k_s = T.alloc_shared((C, K), dtype)
-                reloaded = T.alloc_barrier(arrive_count=THREADS)
-                T.sync_threads()
-                T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=reloaded)
-                T.barrier_arrive(reloaded)
-                tg_s = T.alloc_shared((C, C), dtype)
-
-            # Tb = T diag(beta) (and with emit_wu T diag(beta Gamma), the left operand of W, rounded once from
-            # fp32 like Tb), assembled from the three blocks. tb_s holds Tb for every chunk: U' below reads it.
+            # Tb = T diag(beta), assembled from the three blocks, staged in tb_s for every chunk (a tail chunk
+            # stores its rows from there as 16-byte vectors)
             for i, j in T.Parallel(C, C):
-                t_ij = T.if_then_else(i < H32, T.if_then_else(j < H32, t32a_s[i % H32, j % H32], 0.0),
-                                      T.if_then_else(j < H32, m32_s[i % H32, j % H32], t32b_s[i % H32, j % H32]))
-                tb_s[i, j] = t_ij * b_s[j]
-                if emit_wu:
-                    tg_s[i, j] = t_ij * (b_s[j] * T.exp(g_s[j]))
-            _store_rows(tb_s, None, a, t0, hv, n_valid)
-
-            if emit_wu:
-                # W = (T diag(beta Gamma)) K and U' = Tb V: the scalings go on T's columns, not on the K and V
-                # tiles in shared memory (64 x 128 each, read and written back)
-                v_s = T.alloc_shared((C, V), dtype)
-                out = T.alloc_fragment((C, K), accum)
-                v_loaded = T.alloc_barrier(arrive_count=THREADS)
-                T.sync_threads()
-                T.tma_copy(v[0, t0:t0 + C, hv, 0:V], v_s, barrier=v_loaded)
-                T.barrier_arrive(v_loaded)
-                T.barrier_wait(reloaded, 0)
-                T.gemm(tg_s, k_s, out, clear_accum=True)
-                _store_rows(out, k_s, w, t0, hv, n_valid)
-                T.barrier_wait(v_loaded, 0)
-                T.gemm(tb_s, v_s, out, clear_accum=True)
-                _store_rows(out, v_s, u, t0, hv, n_valid)
+                tb_s[i, j] = b_s[j] * T.if_then_else(
+                    i < H32, T.if_then_else(j < H32, t32a_s[i % H32, j % H32], 0.0),
+                    T.if_then_else(j < H32, m32_s[i % H32, j % H32], t32b_s[i % H32, j % H32]))
+            _store_rows(tb_s, a, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
                 gamma[hv, bc, i] = g_s[i]
-
-    if emit_wu:
-        @T.prim_func
-        def gdn_intra_chunk_wu(
-            k: T.Tensor((1, num_tokens, H, K), dtype),
-            g: T.Tensor((1, num_tokens, HV), accum),
-            beta: T.Tensor((1, num_tokens, HV), accum),
-            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-            chunk_indices: T.Tensor((num_chunks, 2), "int32"),
-            a: T.Tensor((1, num_tokens, HV, C), dtype),
-            gamma: T.Tensor((HV, num_chunks, C), accum),
-            v: T.Tensor((1, num_tokens, HV, V), dtype),
-            w: T.Tensor((1, num_tokens, HV, K), dtype),
-            u: T.Tensor((1, num_tokens, HV, V), dtype),
-        ):
-            body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, v, w, u)
-
-        return gdn_intra_chunk_wu
-
-    @T.prim_func
-    def gdn_intra_chunk(
-        k: T.Tensor((1, num_tokens, H, K), dtype),
-        g: T.Tensor((1, num_tokens, HV), accum),
-        beta: T.Tensor((1, num_tokens, HV), accum),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        chunk_indices: T.Tensor((num_chunks, 2), "int32"),
-        a: T.Tensor((1, num_tokens, HV, C), dtype),
-        gamma: T.Tensor((HV, num_chunks, C), accum),
-    ):
-        body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, None, None, None)
 
     return gdn_intra_chunk
