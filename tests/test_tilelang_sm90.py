@@ -76,6 +76,7 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
         src = _source("state_output_ws", H, HV, dtype, **options)
         # the roles' register budgets: the TMA producer gives registers back, the two consumers take them
         assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
+        assert "wgmma_rs" in src, "P U does not take P from registers"
         # full chunks of O leave through shared memory and a TMA store
         assert "tma_store(o_desc" in src, "O stores did not lower to TMA"
     else:
@@ -91,6 +92,17 @@ def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
     _assert_hopper_paths(src)
     # V is loaded only by the column tiles of E (P's tiles start from the identity with V = 0)
     assert src.count("tma_load(v_desc") == 1 and "blockIdx.x) < 2" in src
+
+
+def test_state_output_ws_two_programs_per_sm_compiles():
+    """The two-programs-per-SM build of the three-warpgroup kernel: launch bounds ask for 2 CTAs, the roles'
+    register budgets fit them (24 + 2 x 104 per thread of a warpgroup), P U takes P from registers."""
+    _tilelang()
+    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=32, stages=2, two_ctas=True)
+    _assert_hopper_paths(src)
+    assert "__launch_bounds__(384, 2)" in src
+    assert "reg_dealloc<24>" in src and src.count("reg_alloc<104>") == 2
+    assert "wgmma_rs" in src
 
 
 def _hopper(capability=(9, 0), tilelang="0.1.15"):
