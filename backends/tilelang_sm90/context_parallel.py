@@ -30,8 +30,10 @@ SEGMENT_CHUNKS = None
 # segments; 1x8192: 16 and 32 chunks within 2%) while the extra launches cost ~0.6 ms of host time per
 # eager call (2/8 1x2048: 0.79 ms eager against 0.07 of device time, run 5).
 MIN_SEGMENT_CHUNKS = 32
-# Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program:
-# the propagator pass costs about two plain state passes, which pays only against a large idle fraction.
+# Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program.
+# Fitted when the propagator was triton_generic's (about two plain state passes). The TileLang propagator
+# costs ~1.2 output passes (2/8 1x32768: 0.213 against 0.174 ms, session 4), so a sweep may lower this
+# (NOTES.md, next step 3).
 SMS_PER_PROGRAM = 3
 
 
