@@ -61,17 +61,15 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
 
     # the sequential part, right to left: dU and dS0 per chunk
     dS = dht.clone() if dht is not None else k.new_zeros(B, HV, K, V)
-    dUs, dhs = [None] * NT, [None] * NT
+    dUs, dXs, dhs = [None] * NT, [None] * NT, [None] * NT
     for n in reversed(range(NT)):
         dhs[n] = dS
-        dU = scale * P[:, :, n].transpose(-1, -2) @ doc[:, :, n] + e[:, :, n, :, None] * (kc[:, :, n] @ dS)
-        dX = Tb[:, :, n].transpose(-1, -2) @ dU
+        dUs[n] = scale * P[:, :, n].transpose(-1, -2) @ doc[:, :, n] + e[:, :, n, :, None] * (kc[:, :, n] @ dS)
+        dXs[n] = Tb[:, :, n].transpose(-1, -2) @ dUs[n]
         dS = (scale * qc[:, :, n].transpose(-1, -2) @ (Gam[:, :, n, :, None] * doc[:, :, n])
               + Gam[:, :, n, -1, None, None] * dS
-              - kc[:, :, n].transpose(-1, -2) @ (Gam[:, :, n, :, None] * dX))
-        dUs[n] = dU
-    dU, dhe = torch.stack(dUs, 2), torch.stack(dhs, 2)       # dhe: dS_end of every chunk
-    dX = Tb.transpose(-1, -2) @ dU
+              - kc[:, :, n].transpose(-1, -2) @ (Gam[:, :, n, :, None] * dXs[n]))
+    dU, dX, dhe = torch.stack(dUs, 2), torch.stack(dXs, 2), torch.stack(dhs, 2)   # dhe: dS_end of every chunk
     S0 = h
 
     # everything else is per chunk

@@ -20,6 +20,8 @@ on the same two 2-slot mbarrier rings as state_output_ws.py:
 import tilelang
 import tilelang.language as T
 
+from .state_output import sequence_bounds
+
 CHUNK = 64
 THREADS = 256
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
@@ -53,10 +55,7 @@ def propagator_program(H: int, HV: int, dtype: str = "bfloat16", block_v: int = 
         with T.Kernel(NCOL, HV, num_segs, threads=THREADS) as (bc, hv, n):
             hk = hv // GROUP
             col0 = bc * BV
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            n_chunks = T.ceildiv(eos - bos, C)
-            c0 = chunk_offsets[n]
+            bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
 
             k_s = T.alloc_shared((2, C, K), dtype)
             a_s = T.alloc_shared((2, C, C), dtype)

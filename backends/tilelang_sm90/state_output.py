@@ -26,6 +26,15 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 TMA = {"prefer_instruction": "tma"}
 
 
+@T.macro
+def sequence_bounds(cu_seqlens, chunk_offsets, n):
+    """Program n's sequence (or segment): its first and end token, its chunk count, and its first row of the
+    chunk table (and of gamma). Shared by the state kernels and the propagator, which walk whole sequences."""
+    bos = cu_seqlens[n]
+    eos = cu_seqlens[n + 1]
+    return bos, eos, T.ceildiv(eos - bos, CHUNK), chunk_offsets[n]
+
+
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, num_stages: int = 2,
                          threads: int = 128, K: int = 128, V: int = 128):
@@ -64,10 +73,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         with T.Kernel(NV, HV, num_seqs, threads=threads) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            n_chunks = T.ceildiv(eos - bos, C)
-            c0 = chunk_offsets[n]  # the sequence's first row of the chunk table (and of gamma)
+            bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
 
             # pipelined operand tiles (TileLang multi-buffers them num_stages deep)
             q_s = T.alloc_shared((C, K), dtype)

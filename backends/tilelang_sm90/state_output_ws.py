@@ -23,14 +23,17 @@ Barriers (slot s = i % STAGES for the loads, i % 2 for the hand-over; phase pari
     su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
 A wait for a "free" barrier uses the flipped parity, so the first round passes at once.
 
-Same grid and contract as state_output.py (forward.py picks one by V tile), so the signature and the
-per-program sequence bounds repeat that kernel's. Tail chunks and the TMA boxes past a sequence's end
+Same grid and contract as state_output.py (forward.py picks one by V tile), so the signature repeats that
+kernel's (TileLang prim_func signatures cannot be shared) and the per-program bounds come from its
+`sequence_bounds`. Tail chunks and the TMA boxes past a sequence's end
 behave as there too: X's rows and Q K^T's rows go through selects on `t < n_valid` (Tb's columns past
 n_valid are zero, its rows there are never read: U's rows go through the same select), and only the stores
 write rows below n_valid.
 """
 import tilelang
 import tilelang.language as T
+
+from .state_output import sequence_bounds
 
 CHUNK = 64
 THREADS = 384
@@ -78,10 +81,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
-            bos = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
-            n_chunks = T.ceildiv(eos - bos, C)
-            c0 = chunk_offsets[n]
+            bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
 
             # stage tiles (TMA destinations)
             q_s = T.alloc_shared((stages, C, K), dtype)

@@ -82,10 +82,9 @@ def _diag_inverse(a, row0, col0, L, HV: tl.constexpr):
 
 
 @triton.jit
-def _store_block_row(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
-    """One 16-row band of T: its four 16 x 16 blocks side by side."""
-    o16 = tl.arange(0, 16)
-    p = tb + rows[:, None] * (HV * 64) + o16[None, :]
+def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
+    """One 16-row band of T (rows `rows` of the chunk, valid where m): its four 16 x 16 blocks side by side."""
+    p = tb + rows[:, None] * (HV * 64) + tl.arange(0, 16)[None, :]
     dt = tb.dtype.element_ty
     tl.store(p, b0.to(dt), mask=m[:, None])
     tl.store(p + 16, b1.to(dt), mask=m[:, None])
@@ -121,10 +120,10 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
                   + tl.dot(a32, t20, input_precision="ieee"), input_precision="ieee")
     tb = tmat + (bos * HV + i_h) * 64
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store_block_row(tb, r0, r0 < L, t00, zero, zero, zero, HV)
-    _store_block_row(tb, r1, r1 < L, t10, t11, zero, zero, HV)
-    _store_block_row(tb, r2, r2 < L, t20, t21, t22, zero, HV)
-    _store_block_row(tb, r3, r3 < L, t30, t31, t32, t33, HV)
+    _store_band(tb, r0, r0 < L, t00, zero, zero, zero, HV)
+    _store_band(tb, r1, r1 < L, t10, t11, zero, zero, HV)
+    _store_band(tb, r2, r2 < L, t20, t21, t22, zero, HV)
+    _store_band(tb, r3, r3 < L, t30, t31, t32, t33, HV)
 
 
 @triton.jit
