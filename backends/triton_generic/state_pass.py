@@ -68,9 +68,8 @@ def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_of
             oo += tl.dot(qk.to(dt), un.to(dt), input_precision=PREC)
             tl.store(o + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], (oo * scale).to(dt),
                      mask=m[:, None] & mv[None, :])
-        # the decay Gamma_C / Gamma goes on U's rows (64 x BV), not on K (64 x K): a smaller tile live here
-        ud = (un * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)
-        S = S * tl.exp2(g_last) + tl.dot(tl.trans(kk), ud, input_precision=PREC)
+        kt = (kk.to(tl.float32) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)
+        S = S * tl.exp2(g_last) + tl.dot(tl.trans(kt), un.to(dt), input_precision=PREC)
 
     if PROPAGATOR:
         tl.store(ht + i_nh.to(tl.int64) * K * (V + K) + ck[:, None] * (V + K) + cv[None, :], S,
