@@ -43,9 +43,6 @@ WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output
 # its TMA ring depth per V tile (H200, run 3 of session 4, state kernel ms at 3 / 2 stages): 4/16 1x32768
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
 WS_STAGES = {32: 3, 64: 2}
-# Experiment knob (session 4, not yet measured): run 32-wide V tiles as two programs per SM (state_output_ws.py
-# two_ctas: 2 stages, 104 registers per consumer thread), so each SM interleaves two state chains.
-WS_TWO_CTAS = False
 # the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
 # (ptxas: 168 registers, no spills at 256 threads)
 PIPELINED_THREADS = 256
@@ -105,9 +102,8 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
                         block_v: int):
     """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128."""
     if block_v in WS_BLOCK_V:
-        two = WS_TWO_CTAS and block_v == 32
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v, stages=2 if two else WS_STAGES[block_v], two_ctas=two)
+                         block_v=block_v, stages=WS_STAGES[block_v])
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS)
 

@@ -44,18 +44,14 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, stages: int = 3,
-                         two_ctas: bool = False, K: int = 128, V: int = 128):
-    """two_ctas: fit two programs per SM (32-wide V tiles, 2 stages): one hand-over slot, registers
-    capped at 80 per thread at launch (producer 24, consumers 104 after setmaxnreg), O stored per thread,
-    so each SM interleaves two state chains."""
+                         K: int = 128, V: int = 128):
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
-    assert not two_ctas or (BV == 32 and stages == 2)
-    SLOTS = 1 if two_ctas else 2                       # S/U hand-over slots
-    PRODUCER_REGS, CONSUMER_REGS = (24, 104) if two_ctas else (40, 232)
+    SLOTS = 2                                          # S/U hand-over slots
+    PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
 
     num_tokens = T.dynamic("num_tokens")
@@ -94,8 +90,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             u_s = T.alloc_shared((SLOTS, C, BV), dtype)
             # private to one role
             x_s = T.alloc_shared((C, BV), dtype)      # state: X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
-            if not two_ctas:
-                o_s = T.alloc_shared((C, BV), dtype)  # output: O of a full chunk, the source of its TMA store
+            o_s = T.alloc_shared((C, BV), dtype)      # output: O of a full chunk, the source of its TMA store
 
             S = T.alloc_fragment((K, BV), accum)
             x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
@@ -113,8 +108,6 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             freed = T.alloc_barrier(arrive_count=[256] * stages)
             su_ready = T.alloc_barrier(arrive_count=[128] * SLOTS)
             su_free = T.alloc_barrier(arrive_count=[128] * SLOTS)
-            if two_ctas:
-                T.annotate_min_blocks_per_sm(2)
 
             tx = T.get_thread_binding()
             if tx < 128:
@@ -196,16 +189,14 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.wait_wgmma(0)
                     T.barrier_arrive(su_free[h])
                     T.barrier_arrive(freed[s])
-                    # full chunks: whole 128-byte lines through one TMA store (no room for its tile with two
-                    # programs per SM); a tail chunk stores its valid rows only, a TMA box would overwrite the
-                    # next sequence's
+                    # full chunks: whole 128-byte lines through one TMA store; a tail chunk stores its valid
+                    # rows only, a TMA box would overwrite the next sequence's
                     full = n_valid == C
-                    if not two_ctas:
-                        if full:
-                            for r, j in T.Parallel(C, BV):
-                                o_s[r, j] = acc_o[r, j] * scale
-                            T.copy(o_s, o[0, t0:t0 + C, hv, v0:v0 + BV])
-                    if two_ctas or not full:
+                    if full:
+                        for r, j in T.Parallel(C, BV):
+                            o_s[r, j] = acc_o[r, j] * scale
+                        T.copy(o_s, o[0, t0:t0 + C, hv, v0:v0 + BV])
+                    else:
                         for r, j in T.Parallel(C, BV):
                             if r < n_valid:
                                 o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
