@@ -67,22 +67,18 @@ def _block(a, rows, L, col0, HV: tl.constexpr):
 
 
 @triton.jit
-def _diag_inverses(a, t0, L, HV: tl.constexpr):
-    """N_b = (I + A_bb)^-1 - I for the four diagonal 16 x 16 blocks of a chunk whose rows start at t0, by
-    forward substitution on all four at once ([4, 16, 16] tiles): row i of each is
-    N_b[i] = -A_b[i] - sum_{s<i} A_b[i, s] N_b[s], so a chunk takes 14 dependent steps where one block at a
-    time took 4 x 14 (H200, 16/64 1x32768: 1.95 ms for the solve launch). Each step reads row i of the four
-    blocks from memory (one reduction a step); rows 0 and 1 are -A as loaded; rows past L read as 0."""
-    o4, o16 = tl.arange(0, 4), tl.arange(0, 16)
-    rows = t0 + 16 * o4[:, None, None] + o16[None, :, None]                  # [4, 16, 1]
-    N = -tl.load(a + rows * (HV * 64) + 16 * o4[:, None, None] + o16[None, None, :], mask=rows < L, other=0.0)
+def _diag_inverse(a, row0, col0, L, HV: tl.constexpr):
+    """(I + A_bb)^-1 of the diagonal block at rows row0.. (within the sequence) and columns col0.. (within the
+    chunk), by forward substitution: with N = (I + A_bb)^-1 - I, row i is N[i] = -A[i] - sum_{s<i} A[i, s] N[s].
+    Each row of A is read from memory, so a row costs one reduction; rows 0 and 1 are -A as loaded."""
+    o16 = tl.arange(0, 16)
+    N = -_block(a, row0 + o16, L, col0, HV)
     for i in range(2, 16):
-        ri = t0 + 16 * o4[:, None] + i                                          # [4, 1]
-        row = -tl.load(a + ri * (HV * 64) + 16 * o4[:, None] + o16[None, :],
-                       mask=(o16[None, :] < i) & (ri < L), other=0.0)          # [4, 16]
-        row += tl.sum(row[:, :, None] * N, 1)
-        N = tl.where((o16 == i)[None, :, None], row[:, None, :], N)
-    return N
+        row = -tl.load(a + (row0 + i) * (HV * 64) + col0 + o16, mask=(o16 < i) & (row0 + i + 0 * o16 < L),
+                       other=0.0)
+        row += tl.sum(row[:, None] * N, 0)
+        N = tl.where((o16 == i)[:, None], row[None, :], N)
+    return N + (o16[:, None] == o16[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -107,16 +103,10 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
     t0 = i_t * 64
     o16 = tl.arange(0, 16)
     r0, r1, r2, r3 = t0 + o16, t0 + 16 + o16, t0 + 32 + o16, t0 + 48 + o16
-    # the diagonal inverses go back into A's diagonal blocks (fp32; the products below read only A's
-    # off-diagonal blocks), from where the program reads them as four 2-D blocks after a barrier
-    o4 = tl.arange(0, 4)
-    rows = t0 + 16 * o4[:, None, None] + o16[None, :, None]
-    tl.store(ab + rows * (HV * 64) + 16 * o4[:, None, None] + o16[None, None, :], _diag_inverses(ab, t0, L, HV),
-             mask=rows < L)
-    tl.debug_barrier()
-    eye = (o16[:, None] == o16[None, :]).to(tl.float32)
-    t00, t11 = _block(ab, r0, L, 0, HV) + eye, _block(ab, r1, L, 16, HV) + eye
-    t22, t33 = _block(ab, r2, L, 32, HV) + eye, _block(ab, r3, L, 48, HV) + eye
+    t00 = _diag_inverse(ab, t0, 0, L, HV)
+    t11 = _diag_inverse(ab, t0 + 16, 16, L, HV)
+    t22 = _diag_inverse(ab, t0 + 32, 32, L, HV)
+    t33 = _diag_inverse(ab, t0 + 48, 48, L, HV)
     a10, a21, a32 = _block(ab, r1, L, 0, HV), _block(ab, r2, L, 16, HV), _block(ab, r3, L, 32, HV)
     a20, a31, a30 = _block(ab, r2, L, 0, HV), _block(ab, r3, L, 16, HV), _block(ab, r3, L, 0, HV)
     t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
