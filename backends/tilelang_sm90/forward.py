@@ -4,18 +4,19 @@
 
 Every call runs on the packed (varlen) form: a dense batch [B, T] is viewed as B sequences of T tokens
 packed into [1, B*T], so one build serves both. Kernels are compiled once per (H, HV, dtype, options) --
-options being initial/final state and the state pass's V tile (32/64/128, picked from N * HV against the
-SM count: at most three builds per key). Token count, sequence count and chunk count are symbolic
+options being initial/final state and the state pass's V tile (32/64, picked from N * HV against the
+SM count: at most two builds per key). Token count, sequence count and chunk count are symbolic
 (T.dynamic) in every kernel, and `scale` is a runtime argument.
 
 The intra kernel writes Tb = T diag(beta) (64 values per token and value head) and gamma; the state pass
 makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session 4: 16/64 1x32768 2.38 ->
 2.16 ms against writing W and U' and reading them back). It has two kernels, picked by the V tile:
-- BV = 32 / 64 (fewer (sequence, head) pairs than SMs): state_output_ws.py, three warpgroups (TMA
-  producer, state chain, output), so chunk i's output overlaps chunk i + 1's state update.
-- BV = 128 (enough pairs to fill the SMs): state_output.py, one consumer pair on TileLang's pipeliner. Its
-  128-wide tile reads Q, K and Tb once per head; the three-warpgroup kernel does not fit 128 columns in
-  shared memory and was 4% slower at BV = 64 there (session 3, 16/64 4096x8: 1.29 against 1.24 ms).
+- BV = 32 / 64, the plan's: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so
+  chunk i's output overlaps chunk i + 1's state update.
+- BV = 128, forced only (BLOCK_V): state_output.py, one consumer pair on TileLang's pipeliner; its 128-wide
+  tile reads Q, K and Tb once per head. The plan took it for N * HV >= 70% of the SMs until the per-row
+  decays made the three-warpgroup kernel faster there too (H200, 2026-11-29, forward ms, BV 128 / 64):
+  16/64 4096x8 1.673 / 1.536, 4x8192 1.666 / 1.542; 8/32 4096x8 0.842 / 0.775; 4/16 4096x8 0.424 / 0.389.
 Few long sequences also get context parallelism (context_parallel.py), whose TileLang propagator reads the
 same K, Tb, V and gamma.
 
@@ -70,8 +71,6 @@ def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
         return BLOCK_V
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     target = TARGET_SM_FRACTION * sms
-    if N * HV >= target:
-        return 128
     return 64 if 2 * N * HV >= target else 32
 
 
