@@ -54,16 +54,15 @@ def _assert_hopper_paths(src: str):
         "TMA loads are not tracked by mbarriers"
 
 
-@pytest.mark.parametrize("H,HV,dtype,emit_wu", [(2, 8, "bfloat16", False), (16, 64, "float16", False),
-                                                (2, 8, "bfloat16", True)])
-def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype, emit_wu):
+@pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (16, 64, "float16")])
+def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
     _tilelang()
-    src = _source("intra_chunk", H, HV, dtype, emit_wu=emit_wu)
+    src = _source("intra_chunk", H, HV, dtype)
     _assert_hopper_paths(src)
     # the 64x64 solve products stay fp32 operands (tf32 tensor cores), not bf16
     assert "kTensorFloat32" in src
-    # full chunks of Tb (and W, U') leave by TMA stores from shared memory, not per-thread global stores
-    assert src.count("tma_store(") >= (3 if emit_wu else 1), "Tb/W/U' stores did not lower to TMA"
+    # full chunks of Tb leave by a TMA store from shared memory, not per-thread global stores
+    assert "tma_store(a_desc" in src, "Tb stores did not lower to TMA"
 
 
 # every V tile the forward can pick: 32 and 64 run the three-warpgroup kernel, 128 the pipelined one
@@ -78,6 +77,9 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
         src = _source("state_output_ws", H, HV, dtype, **options)
         # the roles' register budgets: the TMA producer gives registers back, the two consumers take them
         assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
+        assert "wgmma_rs" in src, "P U does not take P from registers"
+        # full chunks of O leave through shared memory and a TMA store
+        assert "tma_store(o_desc" in src, "O stores did not lower to TMA"
     else:
         src = _source("state_output", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
                       threads=fwd.PIPELINED_THREADS)
@@ -89,8 +91,19 @@ def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
     _tilelang()
     src = _source("propagator", H, HV, dtype, block_v=64)
     _assert_hopper_paths(src)
-    # U' is loaded only by the column tiles of E (P's tiles start from the identity with U' = 0)
-    assert src.count("tma_load(u_desc") == 1 and "blockIdx.x) < 2" in src
+    # V is loaded only by the column tiles of E (P's tiles start from the identity with V = 0)
+    assert src.count("tma_load(v_desc") == 1 and "blockIdx.x) < 2" in src
+
+
+@pytest.mark.parametrize("block_v,stages", [(32, 3), (64, 2)])
+def test_state_output_ws_keeps_p_in_registers_and_stores_o_by_tma(block_v, stages):
+    """The three-warpgroup kernel's output role: P U takes P from registers (no P tile in shared memory), and
+    full chunks of O leave by one TMA store; the roles get their register budgets (40 / 232 / 232)."""
+    _tilelang()
+    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=block_v, stages=stages)
+    _assert_hopper_paths(src)
+    assert "wgmma_rs" in src and "tma_store" in src
+    assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2
 
 
 @pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv", [(16, 32, "bfloat16", True, True, 64), (4, 8, "float16", False, False, 32)])
@@ -321,9 +334,9 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
 
 @pytest.mark.gpu
 def test_intra_chunk_stage_matches_reference_trace(monkeypatch):
-    """The intra-chunk kernel alone (gamma, Tb = T diag(beta); W and U' from its context-parallel variant)
-    against the reference's ChunkTrace, one dense sequence of 135 tokens (a chunk tail of 7): tells an
-    intra-chunk bug from a state-pass bug."""
+    """The intra-chunk kernel alone (gamma, Tb = T diag(beta)) against the reference's ChunkTrace, one dense
+    sequence of 135 tokens (a chunk tail of 7): tells an intra-chunk bug from a state-pass bug. The
+    context-parallel path runs the same kernel."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -354,9 +367,7 @@ def test_intra_chunk_stage_matches_reference_trace(monkeypatch):
     gamma_ref = trace.gamma.reshape(1, HV, -1)[0, :, :T]
     assert _rel(got["gamma"][:, :T], gamma_ref) <= 1e-5, f"gamma: {_rel(got['gamma'][:, :T], gamma_ref):.2e}"
     tb_ref = per_token(trace.T * _to_chunks(beta.double(), trace.T.shape[2], 64).unsqueeze(-2))
-    for name, ref in [("a", tb_ref), ("w", per_token(trace.W)), ("u", per_token(trace.U_prime))]:
-        out = got_cp[name] if name != "a" else got[name]
-        assert _rel(out, ref) <= 1e-2, f"{name}: {_rel(out, ref):.2e}"
+    assert _rel(got["a"], tb_ref) <= 1e-2, f"Tb: {_rel(got['a'], tb_ref):.2e}"
     assert torch.equal(got["a"], got_cp["a"]) and torch.equal(got["gamma"], got_cp["gamma"])
 
 
@@ -389,9 +400,9 @@ def test_public_api_fp16_options_and_trailing_tokens():
 
 
 # ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
-def _intra_stand_in(k, g, beta, cu, table, a, gamma, v=None, w=None, u=None):
+def _intra_stand_in(k, g, beta, cu, table, a, gamma):
     """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, Tb = T diag(beta)
-    rows, and with v, w, u given (the context-parallel variant) also W and U' rows."""
+    rows."""
     grp = g.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
@@ -403,9 +414,6 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, v=None, w=None, u=None):
             A = torch.where(i[:, None] > i[None, :], (kk @ kk.T) * bs[:, None] * torch.exp(gs[:, None] - gs[None, :]), 0.0)
             Tb = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A) * bs[None, :]
             a[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tb, (0, 64 - n)).to(a.dtype)
-            if w is not None:
-                w[0, t0:t0 + n, hv] = (Tb @ (kk * gs.exp()[:, None])).to(w.dtype)
-                u[0, t0:t0 + n, hv] = (Tb @ v[0, t0:t0 + n, hv].double()).to(u.dtype)
             gamma[hv, row, :n] = gs.float()
             gamma[hv, row, n:] = gs[-1].float()
 
@@ -434,25 +442,25 @@ def _state_stand_in(has_h0, store_ht):
     return run
 
 
-def _propagator_stand_in(k, w, u, gamma, cu, chunk_offsets, aug):
+def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug):
     """What the propagator writes per segment (of cu): [E | P], the chain S -> Gamma_C S + K^T diag(Gamma_C /
-    Gamma) (U' - W S) run from zeros with U' (E), and from the identity with U' = 0 (P)."""
-    grp = w.shape[2] // k.shape[2]
-    Kd, Vd = k.shape[-1], u.shape[-1]
+    Gamma) Tb (V - diag(Gamma) K S) run from zeros with V (E), and from the identity with V = 0 (P)."""
+    grp = a.shape[2] // k.shape[2]
+    Kd, Vd = k.shape[-1], v.shape[-1]
     for n in range(cu.numel() - 1):
         bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
-        for hv in range(w.shape[2]):
-            E = torch.zeros(Kd, Vd, dtype=torch.float64)
-            P = torch.eye(Kd, dtype=torch.float64)
+        for hv in range(a.shape[2]):
+            S = torch.cat([torch.zeros(Kd, Vd, dtype=torch.float64), torch.eye(Kd, dtype=torch.float64)], dim=1)
             for ic in range(-(-(eos - bos) // 64)):
                 t0 = bos + ic * 64
                 m = min(eos - t0, 64)
-                kk, ww, up = (x[0, t0:t0 + m, h].double() for x, h in ((k, hv // grp), (w, hv), (u, hv)))
+                kk, vv = k[0, t0:t0 + m, hv // grp].double(), v[0, t0:t0 + m, hv].double()
+                tb = a[0, t0:t0 + m, hv, :m].double()
                 gs = gamma[hv, c0 + ic, :m].double()
-                decay = torch.exp(gs[-1] - gs)[:, None]
-                E = E * gs[-1].exp() + kk.T @ ((up - ww @ E) * decay)
-                P = P * gs[-1].exp() - kk.T @ ((ww @ P) * decay)
-            aug[n, hv] = torch.cat([E, P], dim=-1).float()
+                rhs = torch.cat([vv, torch.zeros(m, Kd, dtype=torch.float64)], dim=1)
+                U = tb @ (rhs - gs.exp()[:, None] * (kk @ S))
+                S = S * gs[-1].exp() + kk.T @ (U * torch.exp(gs[-1] - gs)[:, None])
+            aug[n, hv] = S.float()
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
@@ -466,7 +474,7 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_wu=False: _intra_stand_in)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
     monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
 
     gen = torch.Generator().manual_seed(2)
@@ -511,7 +519,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_wu=False: _intra_stand_in)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
     monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
     monkeypatch.setattr(fwd, "propagator_kernel", lambda H, HV, dt: _propagator_stand_in)
 
@@ -584,7 +592,8 @@ def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
     (2, 8, [8192], 32),         # the shortest segment allowed: 4 segments
     (2, 8, [2048], None),       # 32 chunks: one segment would be the whole sequence
     (2, 8, [512], None),        # one segment would be the whole sequence
-    (4, 16, [32768], None),     # 4 V tiles x 16 heads x 3 SMs > 132: enough programs already
+    (4, 16, [32768], 128),      # 64 narrowest programs: 4 segments (0.905 -> 0.757 ms, session 5)
+    (8, 32, [32768], None),     # 4 V tiles x 32 heads x 2 SMs > 132: enough programs already
     (2, 8, [4096] * 8, None),
 ])
 def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):

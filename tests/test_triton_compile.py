@@ -14,7 +14,7 @@ import sys
 import pytest
 
 CAPABILITIES = (80, 90)
-FP32_ARGS = {"gcum", "h", "h0", "ht", "dht", "dh", "dh0", "du", "dq", "dk", "dkp", "dgp", "dw", "dbeta", "dg", "beta",
+FP32_ARGS = {"a", "gcum", "h", "h0", "ht", "dht", "dh", "dh0", "du", "dq", "dk", "dkp", "dgp", "dw", "dbeta", "dg", "beta",
              "g", "aug", "f", "s0"}
 INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
@@ -28,7 +28,8 @@ KERNELS = {
     "output": ("output", "output_kernel", dict(HEADS, BK=64, BV=64)),
     "backward_chunk": ("backward_chunk", "backward_chunk_kernel", dict(HEADS, BK=64, BV=64)),
     "backward_wy": ("backward_wy", "backward_wy_kernel", dict(HEADS, BK=64, BV=64, NK=2)),
-    "intra_chunk": ("intra_chunk", "intra_chunk_kernel", dict(HEADS, BK=64, BV=64, CUMSUM=True)),
+    "kkt": ("intra_chunk", "kkt_kernel", dict(H=2, HV=4, K=128, IS_VARLEN=True, PREC="tf32", BK=64, CUMSUM=True)),
+    "solve": ("intra_chunk", "solve_kernel", dict(HV=4, IS_VARLEN=True)),
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,

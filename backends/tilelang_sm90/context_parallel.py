@@ -30,11 +30,11 @@ SEGMENT_CHUNKS = None
 # segments; 1x8192: 16 and 32 chunks within 2%) while the extra launches cost ~0.6 ms of host time per
 # eager call (2/8 1x2048: 0.79 ms eager against 0.07 of device time, run 5).
 MIN_SEGMENT_CHUNKS = 32
-# Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program.
-# Fitted when the propagator was triton_generic's (about two plain state passes). The TileLang propagator
-# costs ~1.2 output passes (2/8 1x32768: 0.213 against 0.174 ms, session 4), so a sweep may lower this
-# (NOTES.md, next step 3).
-SMS_PER_PROGRAM = 3
+# Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program,
+# i.e. at most ~half the SMs busy without it. H200, 2026-11-29 (session 5, after the row-decay and block-solve
+# changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
+# 0.905 / 0.780 / 0.757; 8/32 1x32768 (128) 1.033 / 1.526 / 1.509. So 2: on at 64 programs, off at 128.
+SMS_PER_PROGRAM = 2
 
 
 def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:

@@ -4,20 +4,21 @@
 
 Every call runs on the packed (varlen) form: a dense batch [B, T] is viewed as B sequences of T tokens
 packed into [1, B*T], so one build serves both. Kernels are compiled once per (H, HV, dtype, options) --
-options being initial/final state and the state pass's V tile (32/64/128, picked from N * HV against the
-SM count: at most three builds per key). Token count, sequence count and chunk count are symbolic
+options being initial/final state and the state pass's V tile (32/64, picked from N * HV against the
+SM count: at most two builds per key). Token count, sequence count and chunk count are symbolic
 (T.dynamic) in every kernel, and `scale` is a runtime argument.
 
 The intra kernel writes Tb = T diag(beta) (64 values per token and value head) and gamma; the state pass
 makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session 4: 16/64 1x32768 2.38 ->
 2.16 ms against writing W and U' and reading them back). It has two kernels, picked by the V tile:
-- BV = 32 / 64 (fewer (sequence, head) pairs than SMs): state_output_ws.py, three warpgroups (TMA
-  producer, state chain, output), so chunk i's output overlaps chunk i + 1's state update.
-- BV = 128 (enough pairs to fill the SMs): state_output.py, one consumer pair on TileLang's pipeliner. Its
-  128-wide tile reads Q, K and Tb once per head; the three-warpgroup kernel does not fit 128 columns in
-  shared memory and was 4% slower at BV = 64 there (session 3, 16/64 4096x8: 1.29 against 1.24 ms).
-Few long sequences also get context parallelism (context_parallel.py): its TileLang propagator reads W and
-U', so there the intra kernel's `emit_wu` variant writes them too.
+- BV = 32 / 64, the plan's: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so
+  chunk i's output overlaps chunk i + 1's state update.
+- BV = 128, forced only (BLOCK_V): state_output.py, one consumer pair on TileLang's pipeliner; its 128-wide
+  tile reads Q, K and Tb once per head. The plan took it for N * HV >= 70% of the SMs until the per-row
+  decays made the three-warpgroup kernel faster there too (H200, 2026-11-29, forward ms, BV 128 / 64):
+  16/64 4096x8 1.673 / 1.536, 4x8192 1.666 / 1.542; 8/32 4096x8 0.842 / 0.775; 4/16 4096x8 0.424 / 0.389.
+Few long sequences also get context parallelism (context_parallel.py), whose TileLang propagator reads the
+same K, Tb, V and gamma.
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue using gdnkit.prep's math.
@@ -70,8 +71,6 @@ def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
         return BLOCK_V
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     target = TARGET_SM_FRACTION * sms
-    if N * HV >= target:
-        return 128
     return 64 if 2 * N * HV >= target else 32
 
 
@@ -92,10 +91,9 @@ def _jit():
 
 
 @functools.lru_cache(maxsize=None)
-def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_wu: bool = False):
-    """Compiled once per key; tilelang.jit also keeps its own disk cache across processes. emit_wu: also
-    write W and U' (context parallelism's propagator pass reads them)."""
-    return _jit()[0](H, HV, dtype, emit_wu=emit_wu)
+def intra_chunk_kernel(H: int, HV: int, dtype: str):
+    """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
+    return _jit()[0](H, HV, dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,8 +128,8 @@ def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
 
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
     """(o, final state). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs back in it
-    (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per chunk; with
-    context parallelism also w [1, B*T, HV, K] and u [1, B*T, HV, V]) for stage-by-stage checks."""
+    (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per chunk) for
+    stage-by-stage checks."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -166,27 +164,21 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         a = torch.empty(1, total, HV, CHUNK, device=dev, dtype=k.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
         gamma = torch.empty(HV, layout.n_chunks, CHUNK, device=dev, dtype=torch.float32)
-        stage_args = (k, g, beta, layout.cu_seqlens, chunk_table, a, gamma)
+        intra_chunk_kernel(H, HV, dt)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma)
         placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
         seg = _segment_chunks(layout, HV, dev)
         if seg:
-            # context parallelism: the segments' transitions [E | P] from W and U' (TileLang propagator), their
-            # initial states by the segment scan, then the output pass over segments
-            w = torch.empty(1, total, HV, K, device=dev, dtype=k.dtype)
-            u = torch.empty(1, total, HV, V, device=dev, dtype=v.dtype)
-            intra_chunk_kernel(H, HV, dt, True)(*stage_args, v, w, u)
-            if intermediates is not None:
-                intermediates.update(w=w, u=u)
+            # context parallelism: the segments' transitions [E | P] (TileLang propagator), their initial
+            # states by the segment scan, then the output pass over segments
             plan = context_parallel.plan_segments(layout, seg)
             aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
-            propagator_kernel(H, HV, dt)(k, w, u, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
+            propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
             s0, ht = context_parallel.segment_states(plan, aug, h0, N, problem.output_final_state, k.dtype)
             n_seg = plan.segments.n_seg
             kernel = state_output_kernel(H, HV, dt, True, False, _plan_block_v(n_seg, HV, dev))
             kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
                    float(problem.scale))
         else:
-            intra_chunk_kernel(H, HV, dt)(*stage_args)
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
                                          _plan_block_v(N, HV, dev))

@@ -3,38 +3,36 @@
 
     gamma = chunk-local cumsum of g                          (fp32, CUDA cores)
     A     = strictly_lower( diag(beta) (K K^T (.) D) )       (K K^T on wgmma, bf16 operands, fp32 accumulator)
-    T     = (I + A)^-1                                       (fp32: 16x16 diagonal blocks by forward substitution
-                                                              on CUDA cores, the rest by 64x64 tf32 gemms)
+    T     = (I + A)^-1                                       (fp32, a two-level block inverse: see below)
     Tb    = T diag(beta)                                     (written in the inputs' dtype, [1, T, HV, 64])
 
 The state pass makes the new values from Tb on chip, U = Tb (V - diag(Gamma) K S) (state_output_ws.py), so
 W = T diag(beta Gamma) K and U' = T diag(beta) V are not written for it: per chunk and value head Tb is
 8 KB where W and U' were 32 KB written here and read back there (16/64 1x32768: ~1.07 GB each way).
-With `emit_wu` the kernel also writes W and U' (the scalings go on T's columns in registers, K and V stay
-as loaded), for context parallelism's Triton propagator pass, which reads them.
 
 gamma is written as [HV, num_chunks, 64] fp32 (natural log, one row per entry of the chunk table, so the
 state pass loads a chunk's 64 values with one TMA box whose start is row-aligned. A token-contiguous gamma
 read at a sequence's own offset puts an unaligned start in the box's innermost dimension, and that TMA load
 raised "illegal instruction" on the H200 for every sequence that does not start at a multiple of 64 tokens.)
 
-The solve. Split (I + A) = Dblk + Aoff, Dblk = the four 16x16 diagonal blocks of I + A, Aoff the strictly
-block-lower rest. Then T = (I + N)^-1 Dblk^-1 with N = Dblk^-1 Aoff strictly block-lower (4 blocks), so
-N^4 = 0 and (I + N)^-1 = I - N + N^2 - N^3 = (I - N)(I + N^2):
-    T = (I - N) (I + N N) Dinv,   Dinv = Dblk^-1,  N = Dinv Aoff          (4 gemms of 64x64x64)
-Exact algebra (no approximation). The products run in tf32 on tensor cores (fp32 operands from shared memory):
-~1e-3 relative, below the bf16 rounding Tb gets. tf32 wgmma reads both operands K-major, so every
-right-hand operand is stored transposed in shared memory and the gemms use transpose_B=True.
+The solve, in two levels of a block-triangular inverse (exact algebra):
+    level 0  D_b = (I + A_bb)^-1 for the four 16 x 16 diagonal blocks: forward substitution on CUDA cores,
+             one thread per column
+    level 1  T32_p = [[D_2p, 0], [L_p, D_2p+1]], L_p = -D_2p+1 A_2p+1,2p D_2p: two 16 x 16 x 16 products
+             per p on CUDA cores (fp32)
+    level 2  T = [[T32_0, 0], [L, T32_1]], L = -T32_1 A[32:64, 0:32] T32_0: two 32 x 32 x 32 products on
+             tf32 tensor cores (mma.sync; ~1e-3 relative, below the bf16 rounding Tb gets)
+The tiles are small fp32 blocks (16 x 17 padded, 32 x 32), ~25 KB in all with K's tile: a 64 x 64 form of
+the same solve (four 64 x 64 x 64 tf32 products through 16 KB tiles, several stored transposed) moved
+~0.5 MB of shared memory per chunk and kept the L1/shared pipe 86% busy (ncu, H200).
 
-Shared memory is what limits CTAs per SM here (one warpgroup per CTA: the other CTAs on the SM hide each
-one's serial steps). With `emit_wu`, K is loaded twice (for K K^T, then for W) and V late, so no bf16 tile
-is alive during the solve and TileLang's merge of shared buffers by lifetime fits the kernel in ~65 KB.
-Full chunks leave through shared memory and one TMA store per output.
+One warpgroup per CTA; the other CTAs on the SM hide each one's serial steps. Full chunks of Tb leave
+through shared memory and one TMA store.
 
 Varlen: the grid is the chunk table of gdnkit.seqlayout ([num_chunks, 2] = (sequence, chunk within
 the sequence)). A tail chunk's TMA box reads rows past the sequence's end (the next sequence's tokens, or
 zeros past the tensor's end): those rows get beta = 0 and g = 0, which makes their rows and columns of Tb
-(and rows of W and U') zero and leaves the valid rows exact; stores are masked to the valid rows.
+zero and leaves the valid rows exact; stores are masked to the valid rows.
 """
 
 import tilelang
@@ -48,31 +46,26 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
 @T.macro
-def _store_rows(acc, stage, dst, t0, head, n_valid):
-    """The C x n tile `acc` (an fp32 fragment, or a shared tile already in dst's dtype: then stage is None)
-    into rows t0.. of dst[0, :, head, :]. A full chunk goes through shared memory and one TMA store: whole
-    128-byte lines instead of per-thread 4-byte stores that fill half of each 32-byte sector. A tail chunk
-    stores only its valid rows, since a TMA box would also overwrite the next sequence's first rows."""
+def _store_rows(src, dst, t0, head, n_valid):
+    """The C x n shared tile `src` (in dst's dtype) into rows t0.. of dst[0, :, head, :]. A full chunk leaves
+    by one TMA store: whole 128-byte lines instead of per-thread 4-byte stores that fill half of each 32-byte
+    sector. A tail chunk stores only its valid rows, since a TMA box would also overwrite the next sequence's
+    first rows."""
     if n_valid == CHUNK:
-        if stage is None:
-            T.copy(acc, dst[0, t0:t0 + CHUNK, head, :])
-        else:
-            T.copy(acc, stage)
-            T.copy(stage, dst[0, t0:t0 + CHUNK, head, :])
+        T.copy(src, dst[0, t0:t0 + CHUNK, head, :])
     else:
-        for i, j in T.Parallel(CHUNK, acc.shape[1]):
+        for i, j in T.Parallel(CHUNK, src.shape[1]):
             if i < n_valid:
-                dst[0, t0 + i, head, j] = acc[i, j]
+                dst[0, t0 + i, head, j] = src[i, j]
 
 
-def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool = False, K: int = 128,
-                        V: int = 128):
-    """The TileLang prim_func for (H, HV, dtype, emit_wu). Token count, sequence count and chunk count are
-    symbolic. Arguments: k, g, beta, cu_seqlens, chunk_indices, a (Tb), gamma; with emit_wu also v, w, u."""
+def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128):
+    """The TileLang prim_func for (H, HV, dtype). Token count, sequence count and chunk count are symbolic."""
     # ---- tile shapes (fixed by the algebra at K = V = 128) ----
     C = CHUNK        # chunk length: rows of every tile; A and T are C x C
     BLK = 16         # diagonal block of the solve: forward substitution on CUDA cores, one thread per column
-    NBLK = C // BLK  # 4 diagonal blocks -> N is nilpotent of order 4
+    NBLK = C // BLK  # 4 diagonal blocks
+    H32 = 2 * BLK    # the 32 x 32 blocks of the second level
     THREADS = 128    # one warpgroup: every gemm is M = 64 (one wgmma row block); 64 x 128 fp32 = 64 regs/thread
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128
@@ -82,8 +75,16 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool 
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
 
-    @T.macro
-    def body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, v, w, u):
+    @T.prim_func
+    def gdn_intra_chunk(
+        k: T.Tensor((1, num_tokens, H, K), dtype),
+        g: T.Tensor((1, num_tokens, HV), accum),
+        beta: T.Tensor((1, num_tokens, HV), accum),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_indices: T.Tensor((num_chunks, 2), "int32"),
+        a: T.Tensor((1, num_tokens, HV, C), dtype),
+        gamma: T.Tensor((HV, num_chunks, C), accum),
+    ):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (bc, hv):
             hk = hv // GROUP
             seq = chunk_indices[bc, 0]
@@ -92,23 +93,25 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool 
             t0 = bos + chunk_indices[bc, 1] * C
             n_valid = T.min(eos - t0, C)  # rows of this chunk inside the sequence (1..64)
 
-            # bf16 operand tiles, TMA destinations. With emit_wu, K arrives twice: k0_s for K K^T at the
-            # start, k_s for W after the solve's third product, V after its fourth. Their lifetimes then
-            # overlap only the solve tiles already dead, so TileLang's shared-memory merge puts them in the
-            # same bytes (the second K read is an L2 hit: this CTA read it microseconds before).
+            # K's tile (a TMA destination), dead after K K^T: TileLang's merge of shared buffers by lifetime
+            # lets the solve's tiles reuse its bytes
             k0_s = T.alloc_shared((C, K), dtype)
-            tb_s = T.alloc_shared((C, C), dtype)      # Tb = T diag(beta) in bf16: stored, and U' = Tb V
+            tb_s = T.alloc_shared((C, C), dtype)      # Tb = T diag(beta) in bf16, the source of its TMA store
             g_s = T.alloc_shared((C,), accum)         # g, then gamma = its chunk-local cumsum
             b_s = T.alloc_shared((C,), accum)
-            # fp32 64x64 tiles of the solve (4 x 16 KB)
-            x_s = T.alloc_shared((C, C), accum)       # A (diagonal blocks read by the substitution), then I - N
-            yT_s = T.alloc_shared((C, C), accum)      # Aoff^T, then N^T, then (I + N N)^T
-            n_s = T.alloc_shared((C, C), accum)       # N, then P = (I - N)(I + N N)
-            dinvT_s = T.alloc_shared((C, C), accum)   # Dinv^T (block diagonal)
+            # fp32 tiles of the solve, small and padded (rows of 17) so column walks do not conflict
+            a16_s = T.alloc_shared((NBLK, BLK, BLK + 1), accum)   # A's diagonal blocks
+            d16_s = T.alloc_shared((NBLK, BLK, BLK + 1), accum)   # their inverses D_b
+            o16_s = T.alloc_shared((2, BLK, BLK + 1), accum)      # A_10, A_32; then A D; then L_0, L_1
+            a32_s = T.alloc_shared((H32, H32), accum)             # A[32:64, 0:32]
+            t32a_s = T.alloc_shared((H32, H32), accum)            # T[0:32, 0:32]
+            t32b_s = T.alloc_shared((H32, H32), accum)            # T[32:64, 32:64]
+            m32_s = T.alloc_shared((H32, H32), accum)             # A[32:64, 0:32] T[0:32, 0:32], then T[32:64, 0:32]
             col = T.alloc_local((BLK,), accum)
 
             a_f = T.alloc_fragment((C, C), accum)     # A (bf16 wgmma accumulator layout)
-            sq = T.alloc_fragment((C, C), accum)      # N, N N, P, T, Tb in turn (tf32 gemm accumulator layout)
+            p16 = T.alloc_fragment((2, BLK, BLK), accum)
+            p32 = T.alloc_fragment((H32, H32), accum)
 
             tx = T.get_thread_binding()
 
@@ -127,108 +130,62 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_wu: bool 
             T.gemm(k0_s, k0_s, a_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 a_f[i, j] = T.if_then_else(i > j, a_f[i, j] * b_s[i] * T.exp(g_s[i] - g_s[j]), 0.0)
+            # the blocks the solve reads, each written once from the accumulator
             for i, j in T.Parallel(C, C):
-                x_s[i, j] = a_f[i, j]
-                # Aoff^T: A without its diagonal blocks, transposed (right operand of N = Dinv Aoff)
-                yT_s[j, i] = T.if_then_else(i // BLK == j // BLK, 0.0, a_f[i, j])
-                dinvT_s[i, j] = 0.0
-            T.sync_threads()
+                if i // BLK == j // BLK:
+                    a16_s[i // BLK, i % BLK, j % BLK] = a_f[i, j]
+                elif i // BLK == j // BLK + 1 and (i // BLK) % 2 == 1:
+                    o16_s[i // H32, i % BLK, j % BLK] = a_f[i, j]
+                elif i >= H32 and j < H32:
+                    a32_s[i - H32, j] = a_f[i, j]
 
-            # ---- diagonal blocks: Dinv_bb = (I + A_bb)^-1 by forward substitution, one thread per column ----
-            # thread tx < 64 solves (I + A_bb) x = e_c for block bb = tx // 16, column c = tx % 16
+            # ---- level 0: D_b = (I + A_bb)^-1 by forward substitution, one thread per column of a block ----
             if tx < NBLK * BLK:
                 bb = tx // BLK
                 c = tx % BLK
                 for r in T.unroll(BLK):
                     col[r] = T.if_then_else(r == c, 1.0, 0.0)
                     for m in T.unroll(r):
-                        col[r] = col[r] - x_s[bb * BLK + r, bb * BLK + m] * col[m]
+                        col[r] = col[r] - a16_s[bb, r, m] * col[m]
                 for r in T.unroll(BLK):
-                    dinvT_s[bb * BLK + c, bb * BLK + r] = col[r]  # stored transposed: Dinv[r, c]
-            T.sync_threads()
+                    d16_s[bb, r, c] = col[r]
 
-            # ---- T = (I - N)(I + N N) Dinv with N = Dinv Aoff: four 64x64x64 tf32 gemms ----
-            # T.gemm(X, Y^T, transpose_B=True) = X @ Y: right operands live transposed (K-major, as tf32
-            # needs); the left operand of the first product is Dinv itself, rebuilt from Dinv^T.
-            for i, j in T.Parallel(C, C):
-                n_s[i, j] = dinvT_s[j, i]
-            T.gemm(n_s, yT_s, sq, transpose_B=True, clear_accum=True)          # sq = N
-            for i, j in T.Parallel(C, C):
-                n_s[i, j] = sq[i, j]
-                yT_s[j, i] = sq[i, j]
-                x_s[i, j] = T.if_then_else(i == j, 1.0, 0.0) - sq[i, j]         # I - N
-            T.gemm(n_s, yT_s, sq, transpose_B=True, clear_accum=True)          # sq = N N
-            for i, j in T.Parallel(C, C):
-                yT_s[j, i] = T.if_then_else(i == j, 1.0, 0.0) + sq[i, j]       # (I + N N)^T
-            T.gemm(x_s, yT_s, sq, transpose_B=True, clear_accum=True)          # sq = P = (I - N)(I + N N)
-            if emit_wu:
-                # x_s and yT_s are dead: K for W may land in their bytes once every thread is past the
-                # product above (the merge aliases by lifetime; this barrier orders those reads before the
-                # TMA write)
-                k_s = T.alloc_shared((C, K), dtype)
-                reloaded = T.alloc_barrier(arrive_count=THREADS)
-                T.sync_threads()
-                T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=reloaded)
-                T.barrier_arrive(reloaded)
-            T.copy(sq, n_s)
-            T.gemm(n_s, dinvT_s, sq, transpose_B=True, clear_accum=True)       # sq = T = P Dinv
-            for i, j in T.Parallel(C, C):
-                sq[i, j] = sq[i, j] * b_s[j]                                    # Tb = T diag(beta)
-            # tb_s holds Tb for every chunk (U' below reads it), not only for the full chunks it stages
-            T.copy(sq, tb_s)
-            _store_rows(tb_s, None, a, t0, hv, n_valid)
+            # ---- level 1: the 32 x 32 diagonal blocks, T32_p = [[D_2p, 0], [L_p, D_2p+1]] with
+            # L_p = -D_2p+1 A_2p+1,2p D_2p (two 16 x 16 x 16 products per p, on CUDA cores) ----
+            T.clear(p16)
+            for m in T.unroll(BLK):
+                for q, i, j in T.Parallel(2, BLK, BLK):
+                    p16[q, i, j] += o16_s[q, i, m] * d16_s[2 * q, m, j]
+            for q, i, j in T.Parallel(2, BLK, BLK):
+                o16_s[q, i, j] = p16[q, i, j]
+            T.clear(p16)
+            for m in T.unroll(BLK):
+                for q, i, j in T.Parallel(2, BLK, BLK):
+                    p16[q, i, j] += d16_s[2 * q + 1, i, m] * o16_s[q, m, j]
+            for q, i, j in T.Parallel(2, BLK, BLK):
+                o16_s[q, i, j] = -p16[q, i, j]
+            for i, j in T.Parallel(H32, H32):
+                t32a_s[i, j] = T.if_then_else(i // BLK == j // BLK, d16_s[i // BLK, i % BLK, j % BLK],
+                                              T.if_then_else(i > j, o16_s[0, i % BLK, j % BLK], 0.0))
+                t32b_s[i, j] = T.if_then_else(i // BLK == j // BLK, d16_s[2 + i // BLK, i % BLK, j % BLK],
+                                              T.if_then_else(i > j, o16_s[1, i % BLK, j % BLK], 0.0))
 
-            if emit_wu:
-                # W = (Tb diag(Gamma)) K and U' = Tb V: the Gamma scaling goes on Tb's columns in registers
-                # (64 x 64), not on the K tile in shared memory (64 x 128, read and written back)
-                v_s = T.alloc_shared((C, V), dtype)
-                tg_s = T.alloc_shared((C, C), dtype)
-                out = T.alloc_fragment((C, K), accum)
-                v_loaded = T.alloc_barrier(arrive_count=THREADS)
-                T.sync_threads()  # the same for V, which lands in the bytes of Dinv^T
-                T.tma_copy(v[0, t0:t0 + C, hv, 0:V], v_s, barrier=v_loaded)
-                T.barrier_arrive(v_loaded)
-                for i, j in T.Parallel(C, C):
-                    tg_s[i, j] = sq[i, j] * T.exp(g_s[j])
-                T.barrier_wait(reloaded, 0)
-                T.gemm(tg_s, k_s, out, clear_accum=True)
-                _store_rows(out, k_s, w, t0, hv, n_valid)
-                T.barrier_wait(v_loaded, 0)
-                T.gemm(tb_s, v_s, out, clear_accum=True)
-                _store_rows(out, v_s, u, t0, hv, n_valid)
+            # ---- level 2: T = [[T32_0, 0], [-T32_1 A[32:64, 0:32] T32_0, T32_1]] (two 32 x 32 x 32 tf32 gemms) ----
+            T.gemm(a32_s, t32a_s, p32, clear_accum=True)
+            T.copy(p32, m32_s)
+            T.gemm(t32b_s, m32_s, p32, clear_accum=True)
+            for i, j in T.Parallel(H32, H32):
+                m32_s[i, j] = -p32[i, j]
+            # Tb = T diag(beta), assembled from the three blocks, staged in tb_s for every chunk (a tail chunk
+            # stores its rows from there as 16-byte vectors)
+            for i, j in T.Parallel(C, C):
+                tb_s[i, j] = b_s[j] * T.if_then_else(
+                    i < H32, T.if_then_else(j < H32, t32a_s[i % H32, j % H32], 0.0),
+                    T.if_then_else(j < H32, m32_s[i % H32, j % H32], t32b_s[i % H32, j % H32]))
+            _store_rows(tb_s, a, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
                 gamma[hv, bc, i] = g_s[i]
-
-    if emit_wu:
-        @T.prim_func
-        def gdn_intra_chunk_wu(
-            k: T.Tensor((1, num_tokens, H, K), dtype),
-            g: T.Tensor((1, num_tokens, HV), accum),
-            beta: T.Tensor((1, num_tokens, HV), accum),
-            cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-            chunk_indices: T.Tensor((num_chunks, 2), "int32"),
-            a: T.Tensor((1, num_tokens, HV, C), dtype),
-            gamma: T.Tensor((HV, num_chunks, C), accum),
-            v: T.Tensor((1, num_tokens, HV, V), dtype),
-            w: T.Tensor((1, num_tokens, HV, K), dtype),
-            u: T.Tensor((1, num_tokens, HV, V), dtype),
-        ):
-            body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, v, w, u)
-
-        return gdn_intra_chunk_wu
-
-    @T.prim_func
-    def gdn_intra_chunk(
-        k: T.Tensor((1, num_tokens, H, K), dtype),
-        g: T.Tensor((1, num_tokens, HV), accum),
-        beta: T.Tensor((1, num_tokens, HV), accum),
-        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
-        chunk_indices: T.Tensor((num_chunks, 2), "int32"),
-        a: T.Tensor((1, num_tokens, HV, C), dtype),
-        gamma: T.Tensor((HV, num_chunks, C), accum),
-    ):
-        body(k, g, beta, cu_seqlens, chunk_indices, a, gamma, None, None, None)
 
     return gdn_intra_chunk

@@ -92,6 +92,9 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             xu = T.alloc_fragment((C, BV), accum)     # K S, X, then U
             acc_o = T.alloc_fragment((C, BV), accum)
             qk = T.alloc_fragment((C, C), accum)
+            # per-row decays, one exp per row instead of one per element of a (C, BV) tile
+            e_g = T.alloc_fragment((C,), accum)       # Gamma: the rows of K S and of Q S
+            e_u = T.alloc_fragment((C,), accum)       # Gamma_C / Gamma: the rows of U
             g_last = T.alloc_var(accum)
 
             if has_initial_state:
@@ -114,11 +117,15 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 T.wgmma_gemm(k_s, s_s, xu, clear_accum=True)
                 T.wgmma_gemm(q_s, s_s, acc_o, clear_accum=True)
                 T.wgmma_gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)
+                g_last = g_s[n_valid - 1]
+                for i in T.Parallel(C):
+                    e_g[i] = T.exp(g_s[i])
+                    e_u[i] = T.exp(g_last - g_s[i])
                 T.wait_wgmma(0)
 
                 # group 2: U = Tb X with X = V - diag(Gamma) K S on the valid rows (0 elsewhere)
                 for i, j in T.Parallel(C, BV):
-                    xu[i, j] = T.if_then_else(i < n_valid, v_s[i, j] - xu[i, j] * T.exp(g_s[i]), 0.0)
+                    xu[i, j] = T.if_then_else(i < n_valid, v_s[i, j] - xu[i, j] * e_g[i], 0.0)
                 T.copy(xu, x_s)
                 T.fence_proxy_async()
                 T.wgmma_gemm(a_s, x_s, xu, clear_accum=True)
@@ -126,18 +133,17 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
 
                 # CUDA-core work before the last group: U and its decayed copy on the valid rows (0 elsewhere),
                 # the masked decayed Q K^T, diag(Gamma) Q S, Gamma_C S
-                g_last = g_s[n_valid - 1]
                 for i, j in T.Parallel(C, BV):
                     xu[i, j] = T.if_then_else(i < n_valid, xu[i, j], 0.0)
                 T.copy(xu, u_s)
                 for i, j in T.Parallel(C, BV):
-                    ud_s[i, j] = xu[i, j] * T.exp(g_last - g_s[i])
+                    ud_s[i, j] = xu[i, j] * e_u[i]
                 # Q K^T (.) D_incl: causal incl. the diagonal, masked before the exp
                 for i, j in T.Parallel(C, C):
                     qk[i, j] = T.if_then_else(i >= j, T.if_then_else(i < n_valid, qk[i, j] * T.exp(g_s[i] - g_s[j]), 0.0), 0.0)
                 T.copy(qk, p_s)
                 for i, j in T.Parallel(C, BV):
-                    acc_o[i, j] = acc_o[i, j] * T.exp(g_s[i])
+                    acc_o[i, j] = acc_o[i, j] * e_g[i]
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * T.exp(g_last)
 

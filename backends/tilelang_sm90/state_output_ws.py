@@ -43,13 +43,15 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
-                         store_final_state: bool = False, block_v: int = 64, stages: int = 3, K: int = 128,
-                         V: int = 128):
+                         store_final_state: bool = False, block_v: int = 64, stages: int = 3,
+                         K: int = 128, V: int = 128):
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
+    SLOTS = 2                                          # S/U hand-over slots
+    PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
 
     num_tokens = T.dynamic("num_tokens")
@@ -84,27 +86,33 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             v_s = T.alloc_shared((stages, C, BV), dtype)
             g_s = T.alloc_shared((stages, C), accum)
             # state -> output hand-over
-            s_s = T.alloc_shared((2, K, BV), dtype)
-            u_s = T.alloc_shared((2, C, BV), dtype)
+            s_s = T.alloc_shared((SLOTS, K, BV), dtype)
+            u_s = T.alloc_shared((SLOTS, C, BV), dtype)
             # private to one role
             x_s = T.alloc_shared((C, BV), dtype)      # state: X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
-            p_s = T.alloc_shared((C, C), dtype)       # output: Q K^T (.) D_incl
+            o_s = T.alloc_shared((C, BV), dtype)      # output: O of a full chunk, the source of its TMA store
 
             S = T.alloc_fragment((K, BV), accum)
             x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
             acc_o = T.alloc_fragment((C, BV), accum)
             qk = T.alloc_fragment((C, C), accum)
+            p = T.alloc_fragment((C, C), dtype)       # Q K^T (.) D_incl in bf16: the register operand of P U
+            # per-row decays, one exp per row instead of one per element (a thread holds 2 rows of a 64-row
+            # accumulator, so the element-wise form spent 32 exps per thread where 2 do)
+            e_x = T.alloc_fragment((C,), accum)       # state: Gamma, the rows of K S
+            e_u = T.alloc_fragment((C,), accum)       # state: Gamma_C / Gamma, the rows of U
+            e_o = T.alloc_fragment((C,), accum)       # output: Gamma, the rows of Q S
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=[128] * stages)
             freed = T.alloc_barrier(arrive_count=[256] * stages)
-            su_ready = T.alloc_barrier(arrive_count=[128, 128])
-            su_free = T.alloc_barrier(arrive_count=[128, 128])
+            su_ready = T.alloc_barrier(arrive_count=[128] * SLOTS)
+            su_free = T.alloc_barrier(arrive_count=[128] * SLOTS)
 
             tx = T.get_thread_binding()
             if tx < 128:
                 # ---- producer ----
-                T.set_max_nreg(40, 0)
+                T.set_max_nreg(PRODUCER_REGS, 0)
                 for i in T.serial(n_chunks):
                     s = i % stages
                     T.barrier_wait(freed[s], ((i // stages) % 2) ^ 1)
@@ -117,33 +125,36 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.barrier_arrive(loaded[s])
             elif tx < 256:
                 # ---- state chain ----
-                T.set_max_nreg(232, 1)
+                T.set_max_nreg(CONSUMER_REGS, 1)
                 if has_initial_state:
                     T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
                 else:
                     T.clear(S)
                 for i in T.serial(n_chunks):
                     s = i % stages
-                    h = i % 2
+                    h = i % SLOTS
                     n_valid = T.min(eos - bos - i * C, C)
                     T.barrier_wait(loaded[s], (i // stages) % 2)
-                    T.barrier_wait(su_free[h], ((i // 2) % 2) ^ 1)
+                    T.barrier_wait(su_free[h], ((i // SLOTS) % 2) ^ 1)
                     T.copy(S, s_s[h, :, :])
                     T.fence_proxy_async()
                     T.wgmma_gemm(k_s[s, :, :], s_s[h, :, :], x, clear_accum=True)     # K S
+                    g_last = g_s[s, n_valid - 1]
+                    for r in T.Parallel(C):
+                        e_x[r] = T.exp(g_s[s, r])
+                        e_u[r] = T.exp(g_last - g_s[s, r])
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, BV):
-                        x[r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * T.exp(g_s[s, r]), 0.0)
+                        x[r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * e_x[r], 0.0)
                     T.copy(x, x_s)
                     T.fence_proxy_async()
                     T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)               # U = Tb X
                     T.wait_wgmma(0)
-                    g_last = g_s[s, n_valid - 1]
                     for r, j in T.Parallel(C, BV):
                         x[r, j] = T.if_then_else(r < n_valid, x[r, j], 0.0)
                     T.copy(x, u_s[h, :, :])
                     for r, j in T.Parallel(C, BV):
-                        x_s[r, j] = x[r, j] * T.exp(g_last - g_s[s, r])
+                        x_s[r, j] = x[r, j] * e_u[r]
                     T.fence_proxy_async()
                     T.barrier_arrive(su_ready[h])
                     for r, j in T.Parallel(K, BV):
@@ -155,29 +166,39 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
             else:
                 # ---- output ----
-                T.set_max_nreg(232, 1)
+                T.set_max_nreg(CONSUMER_REGS, 1)
                 for i in T.serial(n_chunks):
                     s = i % stages
-                    h = i % 2
+                    h = i % SLOTS
                     t0 = bos + i * C
                     n_valid = T.min(eos - t0, C)
                     T.barrier_wait(loaded[s], (i // stages) % 2)
                     T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
-                    T.barrier_wait(su_ready[h], (i // 2) % 2)
+                    T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
                     T.wgmma_gemm(q_s[s, :, :], s_s[h, :, :], acc_o, clear_accum=True)                 # Q S
+                    for r in T.Parallel(C):
+                        e_o[r] = T.exp(g_s[s, r])
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
                         qk[r, c] = T.if_then_else(r >= c, T.if_then_else(r < n_valid, qk[r, c] * T.exp(g_s[s, r] - g_s[s, c]), 0.0), 0.0)
-                    T.copy(qk, p_s)
+                    T.copy(qk, p)
                     for r, j in T.Parallel(C, BV):
-                        acc_o[r, j] = acc_o[r, j] * T.exp(g_s[s, r])
+                        acc_o[r, j] = acc_o[r, j] * e_o[r]
                     T.fence_proxy_async()
-                    T.wgmma_gemm(p_s, u_s[h, :, :], acc_o)                                              # += P U
+                    T.wgmma_gemm(p, u_s[h, :, :], acc_o)                                                # += P U
                     T.wait_wgmma(0)
                     T.barrier_arrive(su_free[h])
                     T.barrier_arrive(freed[s])
-                    for r, j in T.Parallel(C, BV):
-                        if r < n_valid:
-                            o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
+                    # full chunks: whole 128-byte lines through one TMA store; a tail chunk stores its valid
+                    # rows only, a TMA box would overwrite the next sequence's
+                    full = n_valid == C
+                    if full:
+                        for r, j in T.Parallel(C, BV):
+                            o_s[r, j] = acc_o[r, j] * scale
+                        T.copy(o_s, o[0, t0:t0 + C, hv, v0:v0 + BV])
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            if r < n_valid:
+                                o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
 
     return gdn_state_output_ws

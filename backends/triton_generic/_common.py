@@ -23,20 +23,6 @@ def decay(g_rows, g_cols, mask):
 
 
 @triton.jit
-def solve_unit_lower16(A, o16):
-    """(I + A)^-1 for a strictly lower-triangular 16x16 tile, by forward substitution on its rows.
-
-    With N = (I + A)^-1 - I, row i is N[i] = -A[i] - sum_{s<i} A[i, s] N[s]; rows 0 and 1 are already
-    final as -A, every later row reads only finished rows."""
-    N = -A
-    for i in tl.static_range(2, 16):
-        a = tl.sum(tl.where((o16 == i)[:, None], N, 0.0), 0)
-        a = a + tl.sum(a[:, None] * N, 0)
-        N = tl.where((o16 == i)[:, None], a[None, :], N)
-    return N + (o16[:, None] == o16[None, :]).to(tl.float32)
-
-
-@triton.jit
 def chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     """A program of a per-chunk grid: (bos, sequence length, chunk within the sequence, global chunk index,
     the chunk's 64 row indices within the sequence, which of them lie inside it)."""

@@ -30,7 +30,8 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
     dt = k.dtype.element_ty
     o64 = tl.arange(0, 64)
     tok = (bos + r) * HV + i_h
-    tt = tl.load(tmat + tok[:, None] * 64 + o64[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    # T as stored (k's dtype): widened only where the fp32 product for dA needs it
+    tt = tl.load(tmat + tok[:, None] * 64 + o64[None, :], mask=m[:, None], other=0.0)
     bt = tl.load(beta + tok, mask=m, other=0.0).to(tl.float32)
     gg = tl.load(gcum + tok, mask=m, other=0.0)
     gam = tl.exp2(gg)
@@ -39,7 +40,7 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
     dT = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
     dgam = tl.zeros([64], dtype=tl.float32)
-    for iv in tl.static_range(0, V, BV):
+    for iv in range(0, V, BV):
         cv = iv + tl.arange(0, BV)
         mt = m[:, None] & (cv < V)[None, :]
         vv = tl.load(v + tok[:, None] * V + cv[None, :], mask=mt, other=0.0).to(tl.float32)
@@ -50,7 +51,7 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
         db += tl.sum(dBv * vv, 1)
 
     kkt = tl.zeros([64, 64], dtype=tl.float32)
-    for ik in tl.static_range(0, K, BK):
+    for ik in range(0, K, BK):
         ck = ik + tl.arange(0, BK)
         kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
         dW = tl.load(dw + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
@@ -60,7 +61,8 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
 
     # dA in fp32 products: it feeds every key gradient through the decay-weighted K K^T
     low = (o64[:, None] > o64[None, :]) & m[:, None] & m[None, :]
-    dA = -tl.dot(tl.dot(tl.trans(tt), dT, input_precision=PREC), tl.trans(tt), input_precision=PREC)
+    tf = tt.to(tl.float32)
+    dA = -tl.dot(tl.dot(tl.trans(tf), dT, input_precision=PREC), tl.trans(tf), input_precision=PREC)
     dA = tl.where(low, dA, 0.0)
     G = dA * decay(gg, gg, low)          # dL / d(beta_t k_t.k_s) for t > s
     db += tl.sum(G * kkt, 1)
@@ -69,7 +71,7 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
     dgam += tl.sum(M, 1) - tl.sum(M, 0)
     Gd = G.to(dt)
 
-    for ik in tl.static_range(0, K, BK):
+    for ik in range(0, K, BK):
         ck = ik + tl.arange(0, BK)
         kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
         dW = tl.load(dw + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
@@ -100,8 +102,8 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     # 8 warps; five 64x64 fp32 tiles are live here. Blocks no narrower than 64 (BLOCK_K, BLOCK_V): 32-wide
     # ones made 32-wide wgmma operands in 64-byte-swizzled shared memory, a layout no forward kernel uses
     # and the suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses
-    # themselves are in bounds, tests/test_triton_generic.py checks them). 64 spills a little instead
-    # (sm90 build).
+    # themselves are in bounds, tests/test_triton_generic.py checks them). 64 spills instead (sm90 build,
+    # Triton 3.6: 724 bytes per thread with the loops unrolled, 284 as runtime loops with T kept in k's dtype).
     BK = min(BLOCK_K, K)
     BV = min(BLOCK_V, triton.next_power_of_2(V))
     dev = k.device

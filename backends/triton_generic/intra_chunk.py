@@ -1,8 +1,14 @@
 """Per chunk, in parallel: gate cumsum, beta-scaled K K^T with the decay mask, the unit lower-triangular
 solve T = (I + A)^-1, then W = T diag(beta Gamma) K and U' = T diag(beta) V (ALGORITHM.md section 2).
 
-One kernel: A never leaves the chip. T itself is written out because W/U' are formed as one 64x64 product
-(read back after a barrier) and because the backward needs it.
+Three launches, each with the warp count its tiles want:
+    kkt_kernel    gamma and A (one 64 x 64 product per chunk), A stored fp32
+    solve_kernel  T from A in 16 x 16 blocks (substitution on the diagonal blocks, block products below)
+    w_u_kernel    W and U' from T (also the backward's recomputation from a saved T)
+They were one kernel at 8 warps, which held 255 registers and spilled (sm90 builds); split, every launch
+compiles spill-free, and the substitution reads each row of A from memory (one reduction per row, where
+extracting it from registers took a second). A lives only between the first two launches (fp32, 64 values
+per token and value head), before W and U' are allocated.
 """
 from __future__ import annotations
 
@@ -10,12 +16,69 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision, solve_unit_lower16
+from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
+
+# Warps per program of the first two launches. sm90 builds with Triton 3.6 (ptxas, registers / spill
+# bytes at 1, 2, 4, 8 warps): kkt 255/928, 255/324, 197/0, 124/0; solve 255/1244, 255/144, 226/0, 128/0.
+# 8 warps keep both spill-free at ~128 registers (2 programs per SM); not yet timed on a GPU.
+KKT_WARPS = 8
+SOLVE_WARPS = 8
 
 
 @triton.jit
 def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
     return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kkt_kernel(k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, CUMSUM: tl.constexpr,
+               PREC: tl.constexpr):
+    """gamma (stored as gcum, log2 units, when CUMSUM; else read from it) and
+    A = strictly_lower(diag(beta) (K K^T (.) D)), one 64 x 64 product per chunk, stored fp32 (rows < L)."""
+    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_hk = i_h // (HV // H)
+    cb = gcum + bos * HV + i_h
+    if CUMSUM:
+        x = tl.load(g + bos * HV + i_h + r * HV, mask=m, other=0.0).to(tl.float32) * LOG2E
+        gg = tl.cumsum(x, 0)
+        tl.store(cb + r * HV, gg, mask=m)
+    else:
+        gg = tl.load(cb + r * HV, mask=m, other=0.0)
+    bt = tl.load(beta + bos * HV + i_h + r * HV, mask=m, other=0.0).to(tl.float32)
+    kb = k + bos * H * K + i_hk * K
+    acc = tl.zeros([64, 64], dtype=tl.float32)
+    for ik in tl.static_range(0, K, BK):
+        ck = ik + tl.arange(0, BK)
+        kk = _load_rows(kb, r, m, H * K, ck, ck < K)
+        acc += tl.dot(kk, tl.trans(kk), input_precision=PREC)
+    o64 = tl.arange(0, 64)
+    acc *= decay(gg, gg, (o64[:, None] > o64[None, :]) & m[:, None] & m[None, :]) * bt[:, None]
+    tl.store(a + (bos * HV + i_h) * 64 + r[:, None] * (HV * 64) + o64[None, :], acc, mask=m[:, None])
+
+
+@triton.jit
+def _block(a, rows, L, col0, HV: tl.constexpr):
+    """The 16 x 16 block of a chunk's stored A at rows `rows`, columns col0.. (rows past L read as 0)."""
+    o16 = tl.arange(0, 16)
+    return tl.load(a + rows[:, None] * (HV * 64) + col0 + o16[None, :], mask=(rows < L)[:, None], other=0.0)
+
+
+@triton.jit
+def _diag_inverse(a, row0, col0, L, HV: tl.constexpr):
+    """(I + A_bb)^-1 of the diagonal block at rows row0.. (within the sequence) and columns col0.. (within the
+    chunk), by forward substitution: with N = (I + A_bb)^-1 - I, row i is N[i] = -A[i] - sum_{s<i} A[i, s] N[s].
+    Each row of A is read from memory, so a row costs one reduction; rows 0 and 1 are -A as loaded."""
+    o16 = tl.arange(0, 16)
+    N = -_block(a, row0 + o16, L, col0, HV)
+    for i in range(2, 16):
+        row = -tl.load(a + (row0 + i) * (HV * 64) + col0 + o16, mask=(o16 < i) & (row0 + i + 0 * o16 < L),
+                       other=0.0)
+        row += tl.sum(row[:, None] * N, 0)
+        N = tl.where((o16 == i)[:, None], row[None, :], N)
+    return N + (o16[:, None] == o16[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -29,89 +92,23 @@ def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
     tl.store(p + 48, b3.to(dt), mask=m[:, None])
 
 
-@triton.jit
-def _solve_chunk(k, g, beta, gcum, tmat, bos, L, t0, i_h, i_hk, H: tl.constexpr, HV: tl.constexpr,
-                 K: tl.constexpr, BK: tl.constexpr, CUMSUM: tl.constexpr, PREC: tl.constexpr):
-    """gamma (stored as gcum when CUMSUM, else read from it), A, and T = (I + A)^-1 stored to tmat."""
+@triton.jit(do_not_specialize=["T"])
+def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """T = (I + A)^-1 per chunk from the stored A: the four diagonal 16 x 16 inverses by substitution, the
+    rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (fp32 products)."""
+    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    ab = a + (bos * HV + i_h) * 64
+    t0 = i_t * 64
     o16 = tl.arange(0, 16)
     r0, r1, r2, r3 = t0 + o16, t0 + 16 + o16, t0 + 32 + o16, t0 + 48 + o16
-    m0, m1, m2, m3 = r0 < L, r1 < L, r2 < L, r3 < L
-    cb = gcum + bos * HV + i_h
-    # chunk-local cumulative gate, per 16-row block plus the running offset of the blocks before it;
-    # kept in log2 units so every decay is one exp2
-    if CUMSUM:
-        gb = g + bos * HV + i_h
-        x0 = tl.load(gb + r0 * HV, mask=m0, other=0.0).to(tl.float32) * LOG2E
-        x1 = tl.load(gb + r1 * HV, mask=m1, other=0.0).to(tl.float32) * LOG2E
-        x2 = tl.load(gb + r2 * HV, mask=m2, other=0.0).to(tl.float32) * LOG2E
-        x3 = tl.load(gb + r3 * HV, mask=m3, other=0.0).to(tl.float32) * LOG2E
-        g0 = tl.cumsum(x0, 0)
-        g1 = tl.cumsum(x1, 0) + tl.sum(x0, 0)
-        g2 = tl.cumsum(x2, 0) + tl.sum(x0, 0) + tl.sum(x1, 0)
-        g3 = tl.cumsum(x3, 0) + tl.sum(x0, 0) + tl.sum(x1, 0) + tl.sum(x2, 0)
-        tl.store(cb + r0 * HV, g0, mask=m0)
-        tl.store(cb + r1 * HV, g1, mask=m1)
-        tl.store(cb + r2 * HV, g2, mask=m2)
-        tl.store(cb + r3 * HV, g3, mask=m3)
-    else:
-        g0 = tl.load(cb + r0 * HV, mask=m0, other=0.0)
-        g1 = tl.load(cb + r1 * HV, mask=m1, other=0.0)
-        g2 = tl.load(cb + r2 * HV, mask=m2, other=0.0)
-        g3 = tl.load(cb + r3 * HV, mask=m3, other=0.0)
-    bb = beta + bos * HV + i_h
-    b0 = tl.load(bb + r0 * HV, mask=m0, other=0.0).to(tl.float32)
-    b1 = tl.load(bb + r1 * HV, mask=m1, other=0.0).to(tl.float32)
-    b2 = tl.load(bb + r2 * HV, mask=m2, other=0.0).to(tl.float32)
-    b3 = tl.load(bb + r3 * HV, mask=m3, other=0.0).to(tl.float32)
-
-    # the ten lower blocks of K K^T, 16x16 each, accumulated over K
-    a00 = tl.zeros([16, 16], dtype=tl.float32)
-    a10 = tl.zeros([16, 16], dtype=tl.float32)
-    a11 = tl.zeros([16, 16], dtype=tl.float32)
-    a20 = tl.zeros([16, 16], dtype=tl.float32)
-    a21 = tl.zeros([16, 16], dtype=tl.float32)
-    a22 = tl.zeros([16, 16], dtype=tl.float32)
-    a30 = tl.zeros([16, 16], dtype=tl.float32)
-    a31 = tl.zeros([16, 16], dtype=tl.float32)
-    a32 = tl.zeros([16, 16], dtype=tl.float32)
-    a33 = tl.zeros([16, 16], dtype=tl.float32)
-    kb = k + bos * H * K + i_hk * K
-    for ik in tl.static_range(0, K, BK):
-        ck = ik + tl.arange(0, BK)
-        mk = ck < K
-        k0 = _load_rows(kb, r0, m0, H * K, ck, mk)
-        k1 = _load_rows(kb, r1, m1, H * K, ck, mk)
-        k2 = _load_rows(kb, r2, m2, H * K, ck, mk)
-        k3 = _load_rows(kb, r3, m3, H * K, ck, mk)
-        a00 += tl.dot(k0, tl.trans(k0), input_precision=PREC)
-        a10 += tl.dot(k1, tl.trans(k0), input_precision=PREC)
-        a11 += tl.dot(k1, tl.trans(k1), input_precision=PREC)
-        a20 += tl.dot(k2, tl.trans(k0), input_precision=PREC)
-        a21 += tl.dot(k2, tl.trans(k1), input_precision=PREC)
-        a22 += tl.dot(k2, tl.trans(k2), input_precision=PREC)
-        a30 += tl.dot(k3, tl.trans(k0), input_precision=PREC)
-        a31 += tl.dot(k3, tl.trans(k1), input_precision=PREC)
-        a32 += tl.dot(k3, tl.trans(k2), input_precision=PREC)
-        a33 += tl.dot(k3, tl.trans(k3), input_precision=PREC)
-
-    low = o16[:, None] > o16[None, :]
-    a00 *= decay(g0, g0, low & m0[:, None] & m0[None, :]) * b0[:, None]
-    a11 *= decay(g1, g1, low & m1[:, None] & m1[None, :]) * b1[:, None]
-    a22 *= decay(g2, g2, low & m2[:, None] & m2[None, :]) * b2[:, None]
-    a33 *= decay(g3, g3, low & m3[:, None] & m3[None, :]) * b3[:, None]
-    a10 *= decay(g1, g0, m1[:, None] & m0[None, :]) * b1[:, None]
-    a20 *= decay(g2, g0, m2[:, None] & m0[None, :]) * b2[:, None]
-    a21 *= decay(g2, g1, m2[:, None] & m1[None, :]) * b2[:, None]
-    a30 *= decay(g3, g0, m3[:, None] & m0[None, :]) * b3[:, None]
-    a31 *= decay(g3, g1, m3[:, None] & m1[None, :]) * b3[:, None]
-    a32 *= decay(g3, g2, m3[:, None] & m2[None, :]) * b3[:, None]
-
-    # block forward substitution: diagonal inverses on CUDA cores, the rest as block products,
-    # T_ij = -T_ii sum_{j<=m<i} A_im T_mj
-    t00 = solve_unit_lower16(a00, o16)
-    t11 = solve_unit_lower16(a11, o16)
-    t22 = solve_unit_lower16(a22, o16)
-    t33 = solve_unit_lower16(a33, o16)
+    t00 = _diag_inverse(ab, t0, 0, L, HV)
+    t11 = _diag_inverse(ab, t0 + 16, 16, L, HV)
+    t22 = _diag_inverse(ab, t0 + 32, 32, L, HV)
+    t33 = _diag_inverse(ab, t0 + 48, 48, L, HV)
+    a10, a21, a32 = _block(ab, r1, L, 0, HV), _block(ab, r2, L, 16, HV), _block(ab, r3, L, 32, HV)
+    a20, a31, a30 = _block(ab, r2, L, 0, HV), _block(ab, r3, L, 16, HV), _block(ab, r3, L, 0, HV)
     t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
     t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision="ieee"), input_precision="ieee")
     t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision="ieee"), input_precision="ieee")
@@ -121,13 +118,12 @@ def _solve_chunk(k, g, beta, gcum, tmat, bos, L, t0, i_h, i_hk, H: tl.constexpr,
                   input_precision="ieee")
     t30 = -tl.dot(t33, tl.dot(a30, t00, input_precision="ieee") + tl.dot(a31, t10, input_precision="ieee")
                   + tl.dot(a32, t20, input_precision="ieee"), input_precision="ieee")
-
     tb = tmat + (bos * HV + i_h) * 64
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store_band(tb, r0, m0, t00, zero, zero, zero, HV)
-    _store_band(tb, r1, m1, t10, t11, zero, zero, HV)
-    _store_band(tb, r2, m2, t20, t21, t22, zero, HV)
-    _store_band(tb, r3, m3, t30, t31, t32, t33, HV)
+    _store_band(tb, r0, r0 < L, t00, zero, zero, zero, HV)
+    _store_band(tb, r1, r1 < L, t10, t11, zero, zero, HV)
+    _store_band(tb, r2, r2 < L, t20, t21, t22, zero, HV)
+    _store_band(tb, r3, r3 < L, t30, t31, t32, t33, HV)
 
 
 @triton.jit
@@ -162,21 +158,6 @@ def _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_hk, H: tl.constex
 
 
 @triton.jit(do_not_specialize=["T"])
-def intra_chunk_kernel(k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       CUMSUM: tl.constexpr, PREC: tl.constexpr):
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    i_hk = i_h // (HV // H)
-    _solve_chunk(k, g, beta, gcum, tmat, bos, L, i_t * 64, i_h, i_hk, H, HV, K, BK, CUMSUM, PREC)
-    # the 64x64 T is read back whole so W and U' are single full-size products
-    tl.debug_barrier()
-    _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_hk, H, HV, K, V, BK, BV, PREC)
-
-
-@triton.jit(do_not_specialize=["T"])
 def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
@@ -194,19 +175,23 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
     Returns (gcum [B,T,HV] fp32 log2 units, T matrices [B,T,HV,64] in k's dtype, W [B,T,HV,K], U' [B,T,HV,V])."""
     B, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    grid = (grid_t, B * HV)
+    if tmat is None:
+        cumsum = gcum is None
+        if cumsum:
+            gcum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
+        a = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=torch.float32)
+        kkt_kernel[grid](k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BK=min(64, K),
+                         IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype), num_warps=KKT_WARPS)
+        # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
+        tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
+        solve_kernel[grid](a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen, num_warps=SOLVE_WARPS)
+        del a
+    assert gcum is not None
     w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
-    shapes = dict(H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=min(64, triton.next_power_of_2(V)),
-                  IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(k.dtype), num_warps=8)  # 4 warps spill at K=128
-    if tmat is not None:
-        assert gcum is not None
-        w_u_kernel[(grid_t, B * HV)](k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, **shapes)
-        return gcum, tmat, w, u
-    cumsum = gcum is None
-    if cumsum:
-        gcum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
-    # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
-    tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
-    intra_chunk_kernel[(grid_t, B * HV)](k, v, g, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
-                                         CUMSUM=cumsum, **shapes)
+    w_u_kernel[grid](k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V,
+                     BK=min(64, K), BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=varlen,
+                     PREC=dot_precision(k.dtype), num_warps=8)
     return gcum, tmat, w, u
