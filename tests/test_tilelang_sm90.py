@@ -8,6 +8,7 @@ choice, a float64 check of the solve's algebra, and a float64 model of both kern
 GPU (`-m gpu`, an sm90 device): forward() against the reference backend's chunked form in float64.
 """
 import functools
+import re
 import shutil
 
 import pytest
@@ -52,6 +53,35 @@ def _assert_hopper_paths(src: str):
     # TMA loads complete on an mbarrier (tl::Barrier) that is told the bytes to expect
     assert "Barrier*" in src and ("arrive_and_expect_tx" in src or "expect_transaction" in src), \
         "TMA loads are not tracked by mbarriers"
+    assert not _barriers_under_thread_subsets(src), _barriers_under_thread_subsets(src)
+
+
+# a warpgroup role's branch (threads below 128 / 256); any other condition on the thread index picks a subset
+_ROLE_BRANCH = re.compile(r"^if \(\(\(int\)threadIdx\.x\) < (128|256)\) \{$")
+
+
+def _barriers_under_thread_subsets(src: str) -> list[str]:
+    """Lines of the generated CUDA where a block or named barrier (__syncthreads, __sync_thread_partial) sits
+    inside a branch that only some of a role's threads take (a thread-index test, an elected thread). Those
+    threads wait for arrivals that never come: the backward state pass hung on the H200 that way (session 5,
+    a (C,) fragment made a (C, K) loop run on one 64-thread replica around a 128-thread barrier)."""
+    stack, bad = [], []
+    for n, line in enumerate(src.splitlines(), 1):
+        code = line.strip()
+        if ("__sync_thread_partial" in code or "__syncthreads" in code) and any(stack):
+            bad.append(f"line {n}: {code}")
+        if code.startswith("} else"):
+            flag = stack.pop() if stack else False
+            stack.append(flag)
+            continue
+        for _ in range(code.count("}")):
+            if stack:
+                stack.pop()
+        for _ in range(code.count("{")):
+            subset = code.startswith("if (") and ("threadIdx" in code or "shuffle_elect" in code) \
+                and not _ROLE_BRANCH.match(code)
+            stack.append(subset)
+    return bad
 
 
 @pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (16, 64, "float16")])

@@ -86,7 +86,9 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
             acc = T.alloc_fragment((C, BV), accum)       # dU, then dX
             qk = T.alloc_fragment((C, C), accum)
             e_x = T.alloc_fragment((C,), accum)          # chain: -Gamma on the valid rows
-            e_k = T.alloc_fragment((C,), accum)          # side: Gamma_C / Gamma on the valid rows
+            # side: Gamma_C / Gamma on the valid rows, in shared memory. As a (C,) fragment it made the (C, K)
+            # loop below run on one 64-thread replica, around a 128-thread named barrier: a hang on the H200
+            e_k = T.alloc_shared((C,), accum)
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=[128] * stages)
