@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gdnkit
+
 SM90 = {"kind": "cuda", "arch": "sm_90a"}
 
 
@@ -37,9 +39,11 @@ def _tilelang():
 def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import backward_state, intra_chunk, propagator, state_output, state_output_ws
+    from gdnkit.backends.tilelang_sm90 import (backward_state, chunk_grads, intra_chunk, propagator, state_output,
+                                               state_output_ws)
     module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
                        "backward_state": (backward_state, backward_state.backward_state_program),
+                       "chunk_grads": (chunk_grads, chunk_grads.chunk_grads_program),
                        "state_output": (state_output, state_output.state_output_program),
                        "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
                        "propagator": (propagator, propagator.propagator_program)}[kind]
@@ -146,6 +150,33 @@ def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv):
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
 
 
+@pytest.mark.parametrize("H,HV,dtype", [(4, 8, "float16")])
+def test_chunk_grads_compiles_to_wgmma_and_tma(H, HV, dtype):
+    """The backward's per-chunk kernel: its ten tiles by TMA, every product on wgmma (22 call sites: 17
+    products, the 64 x 128 ones split between the two warpgroups), no barrier under a thread subset."""
+    _tilelang()
+    src = _source("chunk_grads", H, HV, dtype)
+    _assert_hopper_paths(src)
+    assert src.count("tma_load(") == 10
+    assert src.count("wgmma_ss<") == 22 and "mma_sync" not in src
+
+
+@pytest.mark.parametrize("kind,options,desc", [
+    ("intra_chunk", dict(emit_t=True), "tm_desc"),
+    ("state_output_ws", dict(block_v=64, stages=2, store_states=True), "hs_desc"),
+    ("state_output", dict(block_v=128, threads=256, store_states=True), "hs_desc"),
+])
+def test_training_forward_stores_t_and_states_by_tma(kind, options, desc):
+    """A training forward also writes T (intra) and every chunk's entering state (both state kernels), each
+    by TMA store; the inference builds leave both placeholders untouched."""
+    _tilelang()
+    src = _source(kind, 2, 8, "bfloat16", **options)
+    _assert_hopper_paths(src)
+    assert f"tma_store({desc}" in src
+    plain = {n: v for n, v in options.items() if n not in ("emit_t", "store_states")}
+    assert desc not in _source(kind, 2, 8, "bfloat16", **plain)
+
+
 def _hopper(capability=(9, 0), tilelang="0.1.15"):
     from gdnkit import dispatch
     gpu = dispatch.GPU(index=0, name="NVIDIA H200", capability=capability, sm_count=132, total_memory_bytes=1 << 37)
@@ -163,8 +194,8 @@ def _problem(**over):
 
 
 def test_supports_says_why_not():
-    """CPU: what the backend takes (Hopper, K = V = 128, bf16/fp16 chunked inference) and the reason it
-    gives for everything else; auto dispatch prefers it on Hopper and passes training on."""
+    """CPU: what the backend takes (Hopper, K = V = 128, bf16/fp16 chunked, inference and training) and the
+    reason it gives for everything else; auto dispatch prefers it on Hopper."""
     from gdnkit import dispatch
     from gdnkit.backends.tilelang_sm90 import BACKEND
     from gdnkit.problem import RECURRENT_MODE
@@ -176,13 +207,13 @@ def test_supports_says_why_not():
              "K = V = 128": BACKEND.reasons(_problem(K=64, V=64), m),
              "not bfloat16 or float16": BACKEND.reasons(_problem(dtype=torch.float32), m),
              "recurrent": BACKEND.reasons(_problem(mode=RECURRENT_MODE), m),
-             "backward": BACKEND.reasons(_problem(needs_grad=True), m),
              "float32": BACKEND.reasons(_problem(has_initial_state=True, state_dtype=torch.bfloat16), m),
              "CUDA tensors": BACKEND.reasons(_problem(device_type="cpu", device_index=None), m)}
     for needle, reasons in cases.items():
         assert any(needle in r for r in reasons), (needle, reasons)
     assert dispatch.select(_problem(), machine=m)[1].chosen == "tilelang_sm90"
-    assert dispatch.select(_problem(needs_grad=True), machine=m)[1].chosen == "triton_generic"
+    assert BACKEND.reasons(_problem(needs_grad=True), m) == []
+    assert dispatch.select(_problem(needs_grad=True), machine=m)[1].chosen == "tilelang_sm90"
 
 
 def test_solve_algebra_float64():
@@ -306,7 +337,7 @@ BF16_FWD_BAR = 5e-3
 
 
 def _rel(x, ref) -> float:
-    x, ref = x.double(), ref.double()
+    x, ref = x.detach().double(), ref.detach().double()
     err = float((x - ref).norm() / ref.norm().clamp_min(1e-300))
     return err if err == err else float("inf")
 
@@ -341,7 +372,7 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     with torch.no_grad():
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0,
                                           output_final_state=True, cu_seqlens=cu)
-        o, ht = forward(problem, inputs)
+        o, ht, _ = forward(problem, inputs)
         torch.cuda.synchronize()
         d = lambda t: t.double()  # noqa: E731 - float64 truth on the same (bf16-rounded) values
         problem64, inputs64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
@@ -358,7 +389,7 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
         assert _rel(o[:, s:e], ref_o[:, s:e]) <= BF16_FWD_BAR, f"o of sequence {n}: {_rel(o[:, s:e], ref_o[:, s:e]):.2e}"
         assert _rel(ht[n], ref_ht[n]) <= BF16_FWD_BAR, f"final state {n}: {_rel(ht[n], ref_ht[n]):.2e}"
     # deterministic: a second call gives identical bits
-    o2, ht2 = forward(problem, inputs)
+    o2, ht2, _ = forward(problem, inputs)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
 
 
@@ -430,9 +461,9 @@ def test_public_api_fp16_options_and_trailing_tokens():
 
 
 # ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
-def _intra_stand_in(k, g, beta, cu, table, a, gamma):
+def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
     """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, Tb = T diag(beta)
-    rows."""
+    rows, and T's rows into tm unless it is the 1-element placeholder."""
     grp = g.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
@@ -442,15 +473,18 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma):
             gs, bs = g[0, t0:t0 + n, hv].double().cumsum(0), beta[0, t0:t0 + n, hv].double()
             i = torch.arange(n)
             A = torch.where(i[:, None] > i[None, :], (kk @ kk.T) * bs[:, None] * torch.exp(gs[:, None] - gs[None, :]), 0.0)
-            Tb = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A) * bs[None, :]
-            a[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tb, (0, 64 - n)).to(a.dtype)
+            Tm = torch.linalg.inv(torch.eye(n, dtype=torch.float64) + A)
+            a[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tm * bs[None, :], (0, 64 - n)).to(a.dtype)
+            if tm.numel() > 1:
+                tm[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tm, (0, 64 - n)).to(tm.dtype)
             gamma[hv, row, :n] = gs.float()
             gamma[hv, row, n:] = gs[-1].float()
 
 
-def _state_stand_in(has_h0, store_ht):
-    """What the state/output kernel writes: O rows of every sequence (of cu), final states if asked."""
-    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale):
+def _state_stand_in(has_h0, store_ht, store_states=False):
+    """What the state/output kernel writes: O rows of every sequence (of cu), final states if asked, every
+    chunk's entering state (bf16) if store_states."""
+    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs):
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -462,6 +496,9 @@ def _state_stand_in(has_h0, store_ht):
                     qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
                     tb, vv = a[0, t0:t0 + m, hv, :m].double(), v[0, t0:t0 + m, hv].double()
                     gs = gamma[hv, c0 + ic, :m].double()
+                    if store_states:
+                        hs[c0 + ic, hv] = S.to(hs.dtype)
+                        S = S.to(hs.dtype).double()  # the kernels' S0 operands are bf16 too
                     i = torch.arange(m)
                     U = tb @ (vv - gs.exp()[:, None] * (kk @ S))
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
@@ -493,6 +530,110 @@ def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug):
             aug[n, hv] = S.float()
 
 
+def _backward_state_stand_in(has_dht, store_dh0):
+    """What the backward's reverse pass writes: per chunk its dS_end (bf16, also the operand the chain uses),
+    dU and dX rows, and dh0."""
+    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale):
+        grp = a.shape[2] // k.shape[2]
+        for n in range(cu.numel() - 1):
+            bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
+            for hv in range(a.shape[2]):
+                dS = dht[n, hv].double() if has_dht else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
+                for ic in reversed(range(-(-(eos - bos) // 64))):
+                    t0 = bos + ic * 64
+                    m = min(eos - t0, 64)
+                    qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
+                    tb, dO = a[0, t0:t0 + m, hv, :m].double(), do[0, t0:t0 + m, hv].double()
+                    gs = gamma[hv, c0 + ic, :m].double()
+                    dh[c0 + ic, hv] = dS.to(dh.dtype)
+                    i = torch.arange(m)
+                    P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
+                    dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dS.to(dh.dtype).double())
+                    dX = tb.T @ dU
+                    du[0, t0:t0 + m, hv], dv[0, t0:t0 + m, hv] = dU.to(du.dtype), dX.to(dv.dtype)
+                    dS = (scale * qq.T @ (gs.exp()[:, None] * dO) + gs[-1].exp() * dS
+                          - kk.T @ (gs.exp()[:, None] * dX))
+                if store_dh0:
+                    dh0[n, hv] = dS.float()
+    return run
+
+
+def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, table, dq, dk, dg, dbeta, scale):
+    """What the per-chunk gradient kernel writes: the reference's chunk_local_grads on each chunk's rows."""
+    from gdnkit.backends.reference.chunked_backward import chunk_local_grads
+    grp = v.shape[2] // k.shape[2]
+    for row, (seq, ic) in enumerate(table.tolist()):
+        t0 = int(cu[seq]) + ic * 64
+        m = min(int(cu[seq + 1]) - t0, 64)
+        for hv in range(v.shape[2]):
+            rows = lambda x: x[0, t0:t0 + m, hv].double()  # noqa: E731
+            qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
+            got = chunk_local_grads(qq, kk, rows(v), rows(do), rows(beta), gamma[hv, row, :m].double(),
+                                    tm[0, t0:t0 + m, hv, :m].double(), h[row, hv].double(), rows(du), rows(dx),
+                                    dh[row, hv].double(), scale)
+            for out, x in zip((dq, dk, dg, dbeta), got):
+                out[0, t0:t0 + m, hv] = x.float()
+
+
+@pytest.mark.parametrize("case", ["dense", "varlen-gva-options"])
+def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
+    """The sm90 training path around its four launches, on a CPU: the forward keeps T and every chunk's state,
+    the backward hands them with dS_end, dU and dX from the reverse pass to the per-chunk kernel, sums dq/dk
+    over GVA's value heads and undoes the options' prologue. The kernels are float64 stand-ins of their
+    contracts; every gradient is checked against autograd through the float64 reference."""
+    from gdnkit.backends.tilelang_sm90 import BACKEND
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
+    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False:
+                        _state_stand_in(has_h0, store_ht, store_states))
+    monkeypatch.setattr(bwd, "backward_state_kernel", lambda H, HV, dt, has_dht, store_dh0, bv:
+                        _backward_state_stand_in(has_dht, store_dh0))
+    monkeypatch.setattr(bwd, "chunk_grads_kernel", lambda H, HV, dt: _chunk_grads_stand_in)
+
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    varlen = case != "dense"
+    H, HV = (1, 2) if varlen else (1, 1)
+    B, T, lengths = (1, 300, [130, 0, 167]) if varlen else (2, 100, None)
+    N = B if lengths is None else len(lengths)
+    q, k = r(B, T, H, K).half(), r(B, T, H, K).half()
+    if not varlen:
+        q, k = F.normalize(q.float(), dim=-1).half(), F.normalize(k.float(), dim=-1).half()
+    v, g, beta = r(B, T, HV, V).half(), r(B, T, HV), r(B, T, HV)
+    if not varlen:
+        g, beta = F.logsigmoid(g) * 0.2, torch.sigmoid(beta)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
+                use_beta_sigmoid_in_kernel=True) if varlen else {}
+    h0 = r(N, HV, K, V) * 0.1
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    leaves = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, **{n: opts[n] for n in ("A_log", "dt_bias") if n in opts})
+    leaves = {n: t.detach().requires_grad_() for n, t in leaves.items()}
+    problem, inputs = validate_inputs(CHUNK_MODE, **leaves, output_final_state=True, cu_seqlens=cu,
+                                      **{n: x for n, x in opts.items() if n not in ("A_log", "dt_bias")})
+    assert problem.needs_grad
+    o, ht, saved = BACKEND.chunk_forward(problem, inputs)
+    do, dht = r(*o.shape).half(), r(*ht.shape)
+    grads = BACKEND.chunk_backward(problem, saved, do, dht)
+
+    d64 = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    p64, i64 = validate_inputs(CHUNK_MODE, **d64, output_final_state=True, cu_seqlens=cu,
+                               **{n: x for n, x in opts.items() if n not in ("A_log", "dt_bias")})
+    ref_o, ref_ht = gdnkit.chunk_gated_delta_rule(**d64, output_final_state=True, cu_seqlens=cu,
+                                                 backend="reference",
+                                                 **{n: x for n, x in opts.items() if n not in ("A_log", "dt_bias")})
+    ref = dict(zip(d64, torch.autograd.grad([ref_o, ref_ht], list(d64.values()), [do.double(), dht.double()])))
+    got = dict(q=grads.dq, k=grads.dk, v=grads.dv, g=grads.dg, beta=grads.dbeta, initial_state=grads.dinitial_state,
+               A_log=grads.dA_log, dt_bias=grads.ddt_bias)
+    assert _rel(o, ref_o) < 2e-3 and _rel(ht, ref_ht) < 2e-3
+    errs = {n: _rel(got[n], ref[n]) for n in ref}
+    assert all(e < 2e-3 for e in errs.values()), errs  # fp16 inputs, bf16 S0 / dS_end: ~3e-4 measured
+    if lengths is not None:
+        assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
+
+
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
 def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
     """Everything forward() does around its two launches, checked on a CPU: the packed view of dense and
@@ -504,8 +645,8 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
-    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
+    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False: _state_stand_in(has_h0, store_ht, store_states))
 
     gen = torch.Generator().manual_seed(2)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -521,7 +662,7 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=svf)
-    o, ht = fwd.forward(problem, inputs)
+    o, ht, _ = fwd.forward(problem, inputs)
     d = lambda t: t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu, state_v_first=svf)
@@ -549,8 +690,8 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt: _intra_stand_in)
-    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv: _state_stand_in(has_h0, store_ht))
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
+    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False: _state_stand_in(has_h0, store_ht, store_states))
     monkeypatch.setattr(fwd, "propagator_kernel", lambda H, HV, dt: _propagator_stand_in)
 
     gen = torch.Generator().manual_seed(1)
@@ -569,7 +710,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
         if segs:
             layout = fwd.seqlayout.sequence_layout(cu)
             assert fwd._segment_chunks(layout, HV, torch.device("cpu")) == 2
-        results[segs] = fwd.forward(problem, inputs)
+        results[segs] = fwd.forward(problem, inputs)[:2]
     d = lambda t: None if t is None else t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu, state_v_first=True)
@@ -608,7 +749,7 @@ def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu)
         assert fwd._segment_chunks(fwd.seqlayout.sequence_layout(cu), HV, q.device)  # CP is on
-        o, ht = fwd.forward(problem, inputs)
+        o, ht, _ = fwd.forward(problem, inputs)
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                    output_final_state=True, cu_seqlens=cu)
@@ -678,3 +819,77 @@ def test_backward_state_matches_reference_chunked_backward():
     for name, (out, want) in checks.items():
         assert not out.isnan().any(), name
         assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
+
+
+@pytest.mark.gpu
+def test_chunk_grads_matches_reference_chunked_backward():
+    """The backward's per-chunk kernel alone, fed by the training forward (Tb, T, gamma, S0 per chunk) and the
+    reverse pass (dS_end, dU, dX), against chunk_local_grads in float64 via chunked_gdn_backward: dq, dk per
+    value head, dg, dbeta; one sequence of 200 tokens (a chunk tail of 8), GVA 2 -> 4."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    from gdnkit import seqlayout
+    from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    from gdnkit.backends.tilelang_sm90.forward import forward
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+
+    H, HV, T, dev = 2, 4, 200, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(6)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16).requires_grad_()
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    v = r(1, T, HV, V).to(torch.bfloat16)
+    g, beta, dht = F.logsigmoid(r(1, T, HV)), torch.sigmoid(r(1, T, HV)), r(1, HV, K, V)
+    do = r(1, T, HV, V).to(torch.bfloat16)
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, output_final_state=True)
+    assert problem.needs_grad
+    got = {}
+    with torch.no_grad():
+        forward(problem, inputs, intermediates=got)
+        layout = seqlayout.sequence_layout(torch.tensor([0, T], device=dev, dtype=torch.int32))
+        nc, dt = layout.n_chunks, "bfloat16"
+        gamma = got["gamma"].reshape(HV, nc, 64)
+        du, dv = (torch.zeros(1, T, HV, V, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        dh = torch.empty(nc, HV, K, V, device=dev, dtype=torch.bfloat16)
+        stub = torch.empty(1, HV, K, V, device=dev)
+        bwd.backward_state_kernel(H, HV, dt, True, False, 64)(q, k, got["a"], do, gamma, layout.cu_seqlens,
+                                                               layout.chunk_offsets, dht, du, dv, dh, stub,
+                                                               float(problem.scale))
+        outs = [torch.full((1, T, HV, K), float("nan"), device=dev) for _ in range(2)]
+        outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
+        bwd.chunk_grads_kernel(H, HV, dt)(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, got["hs"], dh,
+                                          layout.cu_seqlens, layout.chunk_indices, *outs, float(problem.scale))
+        torch.cuda.synchronize()
+        rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
+        ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
+                                   do.double(), dht=dht.double())
+    for name, out, want in zip(("dq", "dk", "dg", "dbeta"), outs, (ref.dq, ref.dk, ref.dg, ref.dbeta)):
+        assert not out.isnan().any(), name
+        assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
+
+
+@pytest.mark.gpu
+def test_training_gradients_repeat_bitwise():
+    """Two backward passes of the same training call give bitwise-identical gradients (no float atomics),
+    through the public API with GVA, varlen and an initial state."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    H, HV, dev = 4, 16, "cuda"
+    cu = torch.tensor([0, 77, 1000, 1333], device=dev)
+    T = int(cu[-1])
+    gen = torch.Generator(device=dev).manual_seed(8)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)), beta=torch.sigmoid(r(1, T, HV)),
+             initial_state=r(3, HV, K, V) * 0.1)
+    do = r(1, T, HV, V).to(torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, ht = gdnkit.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu, backend="tilelang_sm90")
+        runs.append(torch.autograd.grad([o, ht], list(leaves.values()), [do, torch.ones_like(ht)]))
+    for name, a, b in zip(x, *runs):
+        assert torch.equal(a, b), name

@@ -52,12 +52,8 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
     e = torch.exp(gamma[..., -1:] - gamma)                   # Gamma_C / Gamma_t
     incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     D = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~incl, float("-inf")))
-    KK = kc @ kc.transpose(-1, -2)
-    QK = qc @ kc.transpose(-1, -2)
-    P = QK * D
+    P = (qc @ kc.transpose(-1, -2)) * D
     Tb = T_m * bc[..., None, :]
-    X = vc - Gam[..., None] * (kc @ h)                       # h: S0 of every chunk
-    U = Tb @ X
 
     # the sequential part, right to left: dU and dS0 per chunk
     dS = dht.clone() if dht is not None else k.new_zeros(B, HV, K, V)
@@ -70,9 +66,27 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
               + Gam[:, :, n, -1, None, None] * dS
               - kc[:, :, n].transpose(-1, -2) @ (Gam[:, :, n, :, None] * dXs[n]))
     dU, dX, dhe = torch.stack(dUs, 2), torch.stack(dXs, 2), torch.stack(dhs, 2)   # dhe: dS_end of every chunk
-    S0 = h
+    # everything else per chunk, from h (S0 of every chunk)
+    dq, dk, dg, dbeta = chunk_local_grads(qc, kc, vc, doc, bc, gamma, T_m, h, dU, dX, dhe, scale)
+    return ChunkGrads(_from_chunks(dq, T), _from_chunks(dk, T), _from_chunks(dX, T), _from_chunks(dg, T),
+                      _from_chunks(dbeta, T), dS, dU, dhe)
 
-    # everything else is per chunk
+
+def chunk_local_grads(qc, kc, vc, doc, bc, gamma, T_m, S0, dU, dX, dhe, scale: float):
+    """The backward's parallel part for chunks of C rows (any leading dims; rows past a sequence's end are
+    zero, as _to_chunks pads them): from the state S0 entering each chunk, its dS_end (dhe), dU and dX, the
+    gradients w.r.t. q and k (per value head), g and beta. backends/tilelang_sm90/chunk_grads.py computes this
+    per (chunk, value head)."""
+    C = qc.shape[-2]
+    Gam = torch.exp(gamma)
+    e = torch.exp(gamma[..., -1:] - gamma)
+    incl = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril()
+    D = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~incl, float("-inf")))
+    KK = kc @ kc.transpose(-1, -2)
+    QK = qc @ kc.transpose(-1, -2)
+    Tb = T_m * bc[..., None, :]
+    X = vc - Gam[..., None] * (kc @ S0)
+    U = Tb @ X
     dP = scale * doc @ U.transpose(-1, -2)
     dPD = dP * D
     dq = scale * Gam[..., None] * (doc @ S0.transpose(-1, -2)) + dPD @ kc
@@ -96,5 +110,4 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
     last = Gam[..., -1] * (S0 * dhe).sum((-1, -2)) + de.sum(-1)   # Gamma_C: the state carry and the decays
     dgam = dgam + torch.nn.functional.pad(last[..., None], (C - 1, 0))
     dg = dgam.flip(-1).cumsum(-1).flip(-1)                   # gamma = cumsum(g) within the chunk
-    return ChunkGrads(_from_chunks(dq, T), _from_chunks(dk, T), _from_chunks(dX, T), _from_chunks(dg, T),
-                      _from_chunks(dbeta, T), dS, dU, dhe)
+    return dq, dk, dg, dbeta

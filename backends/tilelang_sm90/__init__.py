@@ -1,12 +1,15 @@
-"""tilelang_sm90: the chunked GDN forward as TileLang kernels for Hopper (sm_90a), K = V = 128, bf16/fp16.
+"""tilelang_sm90: the chunked GDN forward and backward as TileLang kernels for Hopper (sm_90a), K = V = 128,
+bf16/fp16.
 
-    intra_chunk.py   per (chunk, value head): gamma, A, T = (I + A)^-1, W, U'       (launch 1)
-    state_output.py  per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
-    forward.py       forward(problem, inputs) -> (o, final state): prologue, kernel cache, launches
+    intra_chunk.py       per (chunk, value head): gamma, Tb = T diag(beta) (and T for training)   (launch 1)
+    state_output*.py     per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
+    forward.py           forward(problem, inputs) -> (o, final state, Saved): prologue, kernel cache, launches
+    backward_state.py    the backward's reverse dS pass                                           (launch 3)
+    chunk_grads.py       the backward's per-chunk gradients                                       (launch 4)
+    backward.py          backward(problem, saved, do, dht) -> GDNGrads
 
-Inference only: the sm90 backward is not written yet, so supports() declines problems that need gradients
-and auto dispatch sends training to the next backend. Decode (the recurrent form) stays on triton_generic,
-whose token-by-token kernel runs at ~90% of the H200's copy bandwidth.
+Decode (the recurrent form) stays on triton_generic, whose token-by-token kernel runs at ~90% of the H200's
+copy bandwidth.
 
 Importing this package needs neither tilelang nor a GPU; forward() imports tilelang on first use.
 """
@@ -31,7 +34,7 @@ class TileLangSM90Backend(Backend):
     name = "tilelang_sm90"
     priority = 70  # above triton_generic: on Hopper this is the fast path
     description = ("TileLang kernels for Hopper (sm_90a): TMA loads on mbarriers, wgmma products, the state "
-                   "pass fused with the output; chunked forward, K = V = 128, bf16/fp16, inference")
+                   "pass fused with the output; chunked forward and backward, K = V = 128, bf16/fp16")
 
     def unavailable_reasons(self, machine: Machine) -> list[str]:
         return package_reasons(machine, "tilelang") + gpu_reasons(machine, _accepts, NEEDS)
@@ -46,17 +49,15 @@ class TileLangSM90Backend(Backend):
             reasons.append(f"built for K = V = {HEAD_DIM} (the Qwen3.5/3.6 shape), got K={problem.K}, V={problem.V}")
         if problem.state_dtype is not None and problem.state_dtype != torch.float32:
             reasons.append(f"initial_state must be float32, got {problem.state_dtype}")
-        if problem.needs_grad:
-            reasons.append("the sm90 backward is not written yet: training runs on the next backend")
         return reasons
 
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
         from .forward import forward
-        o, ht = forward(problem, inputs)
-        return o, ht, None
+        return forward(problem, inputs)
 
     def chunk_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
-        raise NotImplementedError("tilelang_sm90 has no backward; supports() declines problems that need one")
+        from .backward import backward
+        return backward(problem, saved, do, dht)
 
     def recurrent_forward(self, problem: Problem, inputs: GDNInputs):
         raise NotImplementedError("tilelang_sm90 has no recurrent form; supports() declines it")

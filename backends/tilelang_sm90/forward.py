@@ -23,11 +23,12 @@ same K, Tb, V and gamma.
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue using gdnkit.prep's math.
 """
+import dataclasses
 import functools
 
 import torch
 
-from gdnkit import prep, seqlayout
+from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
 from . import context_parallel
@@ -91,20 +92,20 @@ def _jit():
 
 
 @functools.lru_cache(maxsize=None)
-def intra_chunk_kernel(H: int, HV: int, dtype: str):
+def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
     """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
-    return _jit()[0](H, HV, dtype)
+    return _jit()[0](H, HV, dtype, emit_t=emit_t)
 
 
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
-                        block_v: int):
+                        block_v: int, store_states: bool = False):
     """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v, stages=WS_STAGES[block_v])
+                         block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states)
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                     block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS)
+                     block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,23 +114,30 @@ def propagator_kernel(H: int, HV: int, dtype: str):
     return _jit()[3](H, HV, dtype, block_v=64)
 
 
-def _prologue(problem: Problem, q, k, g, beta, A_log, dt_bias):
-    """The in-kernel options as PyTorch (not fused yet): q, k in their dtype, g and beta fp32."""
-    if problem.use_qk_l2norm_in_kernel:
-        q, k = prep.l2norm(q.float()).to(q.dtype), prep.l2norm(k.float()).to(k.dtype)
-    g = g.float()
-    if problem.use_gate_in_kernel:
-        g = prep.gate(g, A_log.float(), None if dt_bias is None else dt_bias.float())
-    beta = beta.float()
-    if problem.use_beta_sigmoid_in_kernel:
-        beta = prep.beta_activation(beta, problem.allow_neg_eigval)
-    return q, k, g, beta
+@dataclasses.dataclass
+class Saved:
+    """What the backward (backward.py) reads from a training forward, packed as [1, B*T, ...]."""
+    q: torch.Tensor               # after the prologue
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor            # fp32
+    h0: torch.Tensor | None       # fp32, [N, HV, K, V]
+    a: torch.Tensor               # Tb
+    tm: torch.Tensor              # T
+    gamma: torch.Tensor           # [HV, num_chunks, 64]
+    hs: torch.Tensor              # S0 of every chunk, [num_chunks, HV, K, V] in the inputs' dtype
+    layout: object                # gdnkit.seqlayout.SequenceLayout
+    stash: dict                   # the prologue's (gdnkit.prep) inputs for its backward
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    dtypes: dict
 
 
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
-    """(o, final state). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs back in it
-    (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per chunk) for
-    stage-by-stage checks."""
+    """(o, final state, Saved or None). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs
+    back in it (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per
+    chunk) for stage-by-stage checks. Problems that need gradients also keep T and every chunk's entering
+    state (no context parallelism for them yet)."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -139,7 +147,9 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     HV, V = v.shape[2], v.shape[3]
     N = problem.N
     dev = q.device
-    q, k, g, beta = _prologue(problem, q, k, g, beta, A_log, dt_bias)
+    train = problem.needs_grad
+    dtypes = prologue.input_dtypes(inputs)
+    q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
 
     # packed form [1, B*T]; the chunk tables come from the layout cache (no host read after the first call
     # with a given cu_seqlens tensor, none at all for a dense batch)
@@ -164,9 +174,16 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         a = torch.empty(1, total, HV, CHUNK, device=dev, dtype=k.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
         gamma = torch.empty(HV, layout.n_chunks, CHUNK, device=dev, dtype=torch.float32)
-        intra_chunk_kernel(H, HV, dt)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma)
+        stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)  # the training outputs' placeholder
+        tm = hs = stub
+        if train:
+            # the backward's TMA boxes read rows past cu_seqlens[-1]: zeros there, never stale NaNs
+            tm = seqlayout.packed_output((1, total, HV, CHUNK), cu, device=dev, dtype=k.dtype)
+            a[:, layout.offsets[-1]:] = 0
+            hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
+        intra_chunk_kernel(H, HV, dt, train)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma, tm)
         placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
-        seg = _segment_chunks(layout, HV, dev)
+        seg = None if train else _segment_chunks(layout, HV, dev)
         if seg:
             # context parallelism: the segments' transitions [E | P] (TileLang propagator), their initial
             # states by the segment scan, then the output pass over segments
@@ -177,17 +194,22 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             n_seg = plan.segments.n_seg
             kernel = state_output_kernel(H, HV, dt, True, False, _plan_block_v(n_seg, HV, dev))
             kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
-                   float(problem.scale))
+                   float(problem.scale), stub)
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
-                                         _plan_block_v(N, HV, dev))
+                                         _plan_block_v(N, HV, dev), train)
             kernel(q, k, a, v, gamma, layout.cu_seqlens, layout.chunk_offsets, placeholder if h0 is None else h0, o,
-                   placeholder if ht is None else ht, float(problem.scale))
+                   placeholder if ht is None else ht, float(problem.scale), hs)
         if intermediates is not None:
             intermediates.update(a=a, gamma=gamma.reshape(HV, -1))
+            if train:
+                intermediates.update(tm=tm, hs=hs)
 
+    saved = None
+    if train and layout.n_chunks:
+        saved = Saved(q, k, v, beta, h0, a, tm, gamma, hs, layout, stash, A_log, dt_bias, dtypes)
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
-    return o, ht
+    return o, ht, saved

@@ -59,8 +59,19 @@ def _store_rows(src, dst, t0, head, n_valid):
                 dst[0, t0 + i, head, j] = src[i, j]
 
 
-def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128):
-    """The TileLang prim_func for (H, HV, dtype). Token count, sequence count and chunk count are symbolic."""
+@T.macro
+def _t_entry(i, j, t32a_s, m32_s, t32b_s):
+    """T[i, j] from the solve's three 32 x 32 blocks: [[T32_0, 0], [L, T32_1]]."""
+    H32 = t32a_s.shape[0]
+    return T.if_then_else(i < H32, T.if_then_else(j < H32, t32a_s[i % H32, j % H32], 0.0),
+                          T.if_then_else(j < H32, m32_s[i % H32, j % H32], t32b_s[i % H32, j % H32]))
+
+
+def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool = False, K: int = 128,
+                        V: int = 128):
+    """The TileLang prim_func for (H, HV, dtype). Token count, sequence count and chunk count are symbolic.
+    emit_t (training): also write T itself to `tm` ([1, T, HV, 64], the backward's dbeta needs T where beta
+    is 0); otherwise `tm` is a 1-element placeholder that the kernel never touches."""
     # ---- tile shapes (fixed by the algebra at K = V = 128) ----
     C = CHUNK        # chunk length: rows of every tile; A and T are C x C
     BLK = 16         # diagonal block of the solve: forward substitution on CUDA cores, one thread per column
@@ -74,6 +85,7 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
     num_tokens = T.dynamic("num_tokens")
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
+    TM_SHAPE = (1, num_tokens, HV, C) if emit_t else (1, 1, 1, 1)
 
     @T.prim_func
     def gdn_intra_chunk(
@@ -84,6 +96,7 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
         chunk_indices: T.Tensor((num_chunks, 2), "int32"),
         a: T.Tensor((1, num_tokens, HV, C), dtype),
         gamma: T.Tensor((HV, num_chunks, C), accum),
+        tm: T.Tensor(TM_SHAPE, dtype),
     ):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (bc, hv):
             hk = hv // GROUP
@@ -179,10 +192,13 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             # Tb = T diag(beta), assembled from the three blocks, staged in tb_s for every chunk (a tail chunk
             # stores its rows from there as 16-byte vectors)
             for i, j in T.Parallel(C, C):
-                tb_s[i, j] = b_s[j] * T.if_then_else(
-                    i < H32, T.if_then_else(j < H32, t32a_s[i % H32, j % H32], 0.0),
-                    T.if_then_else(j < H32, m32_s[i % H32, j % H32], t32b_s[i % H32, j % H32]))
+                tb_s[i, j] = b_s[j] * _t_entry(i, j, t32a_s, m32_s, t32b_s)
             _store_rows(tb_s, a, t0, hv, n_valid)
+            if emit_t:  # T itself, through the same staging tile once Tb has left it
+                T.sync_threads()
+                for i, j in T.Parallel(C, C):
+                    tb_s[i, j] = _t_entry(i, j, t32a_s, m32_s, t32b_s)
+                _store_rows(tb_s, tm, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):

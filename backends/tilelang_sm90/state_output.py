@@ -37,9 +37,11 @@ def sequence_bounds(cu_seqlens, chunk_offsets, n):
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, num_stages: int = 2,
-                         threads: int = 128, K: int = 128, V: int = 128):
+                         threads: int = 128, store_states: bool = False, K: int = 128, V: int = 128):
     """The TileLang prim_func. Token count, sequence count and the state tensors' lengths are symbolic;
-    `scale` is a runtime argument, so one build serves every scale."""
+    `scale` is a runtime argument, so one build serves every scale. store_states (training): also write every
+    chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K, V]; otherwise `hs` is a 1-element
+    placeholder the kernel never touches."""
     # ---- tile shapes ----
     C = CHUNK        # chunk rows: Q/K tiles are C x K, V/X/U/O tiles C x BV, Tb and Q K^T are C x C
     BV = block_v     # V tile per program: 64 -> S is 128 x 64 fp32 = 64 registers/thread at 128 threads;
@@ -55,6 +57,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_h0 = T.dynamic("num_h0")  # N with an initial state, else 1 (a placeholder that is never read)
     num_ht = T.dynamic("num_ht")  # N with a final state, else 1 (never written)
 
+    HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
+
     @T.prim_func
     def gdn_state_output(
         q: T.Tensor((1, num_tokens, H, K), dtype),
@@ -68,6 +72,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         o: T.Tensor((1, num_tokens, HV, V), dtype),
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
+        hs: T.Tensor(HS_SHAPE, dtype),
     ):
         # V tiles fastest: the programs sharing one (sequence, head) run together and share Q/K/Tb in L2
         with T.Kernel(NV, HV, num_seqs, threads=threads) as (bv, hv, n):
@@ -114,6 +119,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 # group 1, issued together and waited on once: K S, Q S, Q K^T (all read this chunk's tiles and S)
                 T.copy(S, s_s)
                 T.fence_proxy_async()
+                if store_states:
+                    T.copy(s_s, hs[c0 + ic, hv, 0:K, v0:v0 + BV])
                 T.wgmma_gemm(k_s, s_s, xu, clear_accum=True)
                 T.wgmma_gemm(q_s, s_s, acc_o, clear_accum=True)
                 T.wgmma_gemm(q_s, k_s, qk, transpose_B=True, clear_accum=True)

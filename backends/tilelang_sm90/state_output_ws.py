@@ -44,7 +44,10 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, stages: int = 3,
-                         K: int = 128, V: int = 128):
+                         store_states: bool = False, K: int = 128, V: int = 128):
+    """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
+    V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
+    is a 1-element placeholder the kernel never touches."""
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
@@ -59,6 +62,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
+    HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
 
     @T.prim_func
     def gdn_state_output_ws(
@@ -73,6 +77,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         o: T.Tensor((1, num_tokens, HV, V), dtype),
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
+        hs: T.Tensor(HS_SHAPE, dtype),
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
@@ -187,6 +192,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.fence_proxy_async()
                     T.wgmma_gemm(p, u_s[h, :, :], acc_o)                                                # += P U
                     T.wait_wgmma(0)
+                    if store_states:
+                        T.copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])
                     T.barrier_arrive(su_free[h])
                     T.barrier_arrive(freed[s])
                     # full chunks: whole 128-byte lines through one TMA store; a tail chunk stores its valid

@@ -17,7 +17,9 @@ import triton
 from gdnkit import seqlayout
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
 
-from . import context_parallel, prologue
+from gdnkit import prologue
+
+from . import context_parallel
 from ._common import CHUNK, dot_precision
 from .backward_chunk import backward_chunk
 from .backward_state import backward_state, local_du
@@ -165,9 +167,7 @@ def _states(problem: Problem, p: Plan, q, k, w, u, gcum, h0, T, cu, index: Index
 
 def forward(problem: Problem, inputs: GDNInputs):
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
-    dtypes = dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype,
-                  h0=None if h0 is None else h0.dtype,
-                  A_log=None if A_log is None else A_log.dtype, dt_bias=None if dt_bias is None else dt_bias.dtype)
+    dtypes = prologue.input_dtypes(inputs)
     q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if h0 is not None:

@@ -58,3 +58,11 @@ def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias):
         s = torch.sigmoid(stash["beta_raw"].float())
         dbeta = dbeta * s * (1 - s) * (2.0 if problem.allow_neg_eigval else 1.0)
     return dq, dk, dg, dbeta, dA_log, ddt_bias
+
+
+def input_dtypes(inputs) -> dict:
+    """The dtypes of the user's tensors (GDNInputs), which the backward's gradients are returned in."""
+    q, k, v, g, beta, h0, A_log, dt_bias, _ = inputs
+    of = lambda t: None if t is None else t.dtype  # noqa: E731
+    return dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype, h0=of(h0), A_log=of(A_log),
+                dt_bias=of(dt_bias))
