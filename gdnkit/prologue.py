@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gdnkit import prep
-from gdnkit.problem import Problem
+from gdnkit.problem import GDNGrads, Problem
 
 
 def forward(problem: Problem, q, k, g, beta, A_log, dt_bias):
@@ -66,3 +66,10 @@ def input_dtypes(inputs) -> dict:
     of = lambda t: None if t is None else t.dtype  # noqa: E731
     return dict(q=q.dtype, k=k.dtype, v=v.dtype, g=g.dtype, beta=beta.dtype, h0=of(h0), A_log=of(A_log),
                 dt_bias=of(dt_bias))
+
+
+def grads_in_input_dtypes(dtypes: dict, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias):
+    """GDNGrads with every gradient in its input's dtype (input_dtypes); None stays None."""
+    cast = lambda x, name: None if x is None else x.to(dtypes[name])  # noqa: E731
+    return GDNGrads(dq=cast(dq, "q"), dk=cast(dk, "k"), dv=cast(dv, "v"), dg=cast(dg, "g"), dbeta=cast(dbeta, "beta"),
+                    dinitial_state=cast(dh0, "h0"), dA_log=cast(dA_log, "A_log"), ddt_bias=cast(ddt_bias, "dt_bias"))

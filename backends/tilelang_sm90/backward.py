@@ -91,9 +91,4 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
                                                            s.dt_bias)
     if dh0 is not None and problem.state_v_first:
         dh0 = dh0.transpose(-1, -2)
-    t = s.dtypes
-    return GDNGrads(
-        dq=dq.to(t["q"]), dk=dk.to(t["k"]), dv=dv.to(t["v"]), dg=dg.to(t["g"]), dbeta=dbeta.to(t["beta"]),
-        dinitial_state=None if dh0 is None else dh0.to(t["h0"]),
-        dA_log=None if dA_log is None else dA_log.to(t["A_log"]),
-        ddt_bias=None if ddt_bias is None else ddt_bias.to(t["dt_bias"]))
+    return prologue.grads_in_input_dtypes(s.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
