@@ -1,6 +1,6 @@
 """The sm90 chunked forward: two TileLang launches, intra_chunk.py then the state pass fused with the output.
 
-    forward(problem, inputs) -> (o [B, T, HV, V] in v's dtype, final state or None)
+    forward(problem, inputs) -> (o [B, T, HV, V] in v's dtype, final state or None, Saved or None)
 
 Every call runs on the packed (varlen) form: a dense batch [B, T] is viewed as B sequences of T tokens
 packed into [1, B*T], so one build serves both. Kernels are compiled once per (H, HV, dtype, options) --
@@ -21,7 +21,7 @@ Few long sequences also get context parallelism (context_parallel.py), whose Til
 same K, Tb, V and gamma.
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
-run as a small PyTorch prologue/epilogue using gdnkit.prep's math.
+run as a small PyTorch prologue/epilogue (gdnkit/prologue.py, whose backward backward.py uses).
 """
 import dataclasses
 import functools
