@@ -677,12 +677,14 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
         assert o[:, sum(lengths):].abs().max() == 0
 
 
+@pytest.mark.parametrize("route", ["exact", "warmup"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
-def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monkeypatch):
-    """The context-parallel forward's glue: segment plan, the propagator's [E | P] handed to triton_generic's
-    segment scan (interpreted here), then the state pass over segments from their initial states. The three
-    TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks everything around
-    them against the plain path and float64."""
+def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, monkeypatch):
+    """The context-parallel forward's glue: segment plan, the segments' initial states (exact: the
+    propagator's [E | P] handed to triton_generic's segment scan, interpreted here; warmup: the gathered
+    warm-up chunks through the state kernel), then the state pass over segments from those states, which also
+    gives the final states. The three TileLang kernels are replaced by float64 stand-ins of their contracts,
+    so this checks everything around them against the plain path and float64."""
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -704,13 +706,16 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=True)
+    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", route == "warmup")
     results = {}
     for segs in (0, 2):
         monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segs)
         if segs:
             layout = fwd.seqlayout.sequence_layout(cu)
             assert fwd._segment_chunks(layout, HV, torch.device("cpu")) == 2
-        results[segs] = fwd.forward(problem, inputs)[:2]
+        got = {}
+        results[segs] = fwd.forward(problem, inputs, intermediates=got)[:2]
+        assert got["context_parallel"] == (route if segs else None)
     d = lambda t: None if t is None else t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu, state_v_first=True)
@@ -722,11 +727,18 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("segment_chunks,T", [(None, 8200), (3, 8200), (None, 65536 + 37)],
-                         ids=["auto", "seg3", "auto-64k"])
-def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
-    """The forward with context parallelism (2/8, one sequence: auto dispatch cuts it into segments on an
-    H200) against float64, with an initial and a final state."""
+@pytest.mark.parametrize("H,HV,T,segment_chunks,gate_scale,warmup_on,route", [
+    (2, 8, 8200, None, 1.0, True, "warmup"),
+    (2, 8, 8200, None, 1.0, False, "exact"),
+    (2, 8, 8200, 3, 1.0, True, "warmup"),
+    (2, 8, 8200, None, 1e-3, True, "exact"),     # gates barely decay: a warm-up would outrun its segment
+    (2, 8, 65536 + 37, None, 1.0, True, "warmup"),
+    (8, 32, 32768, None, 1.0, True, "warmup"),
+    (8, 32, 32768, None, 1e-3, True, None),       # 8/32: no warm-up, and the exact route does not pay
+], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates"])
+def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, monkeypatch):
+    """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
+    H200) against float64, with an initial and a final state, by each route to the segments' initial states."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -737,19 +749,23 @@ def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segment_chunks)
-    dev, H, HV = "cuda", 2, 8
+    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", warmup_on)
+    dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(5)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
     q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
     k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
-    v, g, beta = r(1, T, HV, V).to(torch.bfloat16), F.logsigmoid(r(1, T, HV)), torch.sigmoid(r(1, T, HV))
+    v, g = r(1, T, HV, V).to(torch.bfloat16), F.logsigmoid(r(1, T, HV)) * gate_scale
+    beta = torch.sigmoid(r(1, T, HV))
     h0 = r(1, HV, K, V) * 0.1
     cu = torch.tensor([0, T], device=dev)
     with torch.no_grad():
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu)
-        assert fwd._segment_chunks(fwd.seqlayout.sequence_layout(cu), HV, q.device)  # CP is on
-        o, ht, _ = fwd.forward(problem, inputs)
+        assert fwd._segment_chunks(fwd.seqlayout.sequence_layout(cu), HV, q.device)  # segments are cut
+        got = {}
+        o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
+        assert got["context_parallel"] == route
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                    output_final_state=True, cu_seqlens=cu)
@@ -764,7 +780,8 @@ def test_context_parallel_on_gpu(segment_chunks, T, monkeypatch):
     (2, 8, [2048], None),       # 32 chunks: one segment would be the whole sequence
     (2, 8, [512], None),        # one segment would be the whole sequence
     (4, 16, [32768], 128),      # 64 narrowest programs: 4 segments (0.905 -> 0.757 ms, session 5)
-    (8, 32, [32768], None),     # 4 V tiles x 32 heads x 2 SMs > 132: enough programs already
+    (8, 32, [32768], 256),      # 128 narrowest programs: 2 segments, by warm-up only
+    (16, 64, [32768], None),    # 4 V tiles x 64 heads > 132: enough programs already
     (2, 8, [4096] * 8, None),
 ])
 def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
@@ -772,7 +789,10 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     from gdnkit.backends.tilelang_sm90 import context_parallel
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    assert context_parallel.segment_chunks(seqlayout.sequence_layout(cu), HV, sms=132) == expected
+    layout = seqlayout.sequence_layout(cu)
+    assert context_parallel.segment_chunks(layout, HV, sms=132) == expected
+    # the exact route (propagator + scan) pays only from 2 SMs per narrowest program (8/32: 1.51 vs 1.03 ms)
+    assert context_parallel.exact_route_pays(layout, HV, sms=132) == (4 * len(lengths) * HV * 2 <= 132)
 
 
 @pytest.mark.gpu

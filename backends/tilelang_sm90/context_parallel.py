@@ -3,15 +3,18 @@
 The state pass runs one program per (sequence, value head, V tile), each walking its whole sequence. At
 H=2 HV=8 with one sequence of 32768 tokens that is 32 programs at the narrowest V tile, for 132 SMs. So
 the sequences are cut into segments of `seg` chunks, and the pass runs per segment with the right initial
-state (ALGORITHM.md section 4):
+state (ALGORITHM.md section 4), found by one of two routes:
 
-    1. every segment's transition, S_end = P S_0 + E, giving [E | P] (TileLang, propagator.py)
-    2. scan over each sequence's segments: S_0 of segment j + 1 = P_j S_0 of j + E_j (and the final state)
-    3. the state pass fused with the output, per segment, from those S_0 (TileLang, state_output*.py)
+    warm-up (warmup.py): where the gates decay, a few chunks before each segment run from a zero state give
+        its initial state within e^-12 of the state's size (exact where they reach the sequence's start);
+        a gather and one short launch of the state kernel. Taken when every warm-up fits in a segment.
+    exact: every segment's transition S_end = P S_0 + E as [E | P] (TileLang, propagator.py), then a scan
+        over each sequence's segments (triton_generic's segment scan, ~0.02 ms at 2/8 1x32768). It costs
+        ~1.3 output passes, so it is taken only where it pays (exact_route_pays); elsewhere a failed warm-up
+        means no segments.
 
-Step 2 is triton_generic's segment scan (a Triton kernel, verified on the H200 as that backend's own
-context parallelism; ~0.02 ms at 2/8 1x32768). Without triton installed, the forward runs without context
-parallelism.
+then the state pass fused with the output, per segment, from those initial states; each sequence's final
+state is its last segment's. Without triton installed, the forward runs without context parallelism.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import math
 import torch
 
 from gdnkit.seqlayout import SequenceLayout
+
+from . import warmup
 
 CHUNK = 64
 # None: decide from the SM count; 0: never; n: segments of n chunks whenever a sequence is longer (tests)
@@ -35,6 +40,13 @@ MIN_SEGMENT_CHUNKS = 32
 # changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
 # 0.905 / 0.780 / 0.757; 8/32 1x32768 (128) 1.033 / 1.526 / 1.509. So 2: on at 64 programs, off at 128.
 SMS_PER_PROGRAM = 2
+# The warm-up route (warmup.py) costs a gather and a short launch instead of ~1.3 output passes, so segments
+# pay with fewer idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence);
+# below SMS_PER_PROGRAM the exact route does not pay, so there a failed warm-up means no segments at all.
+# Not yet measured (session 5 prediction, JOURNAL.md).
+WARMUP_SMS_PER_PROGRAM = 1
+# False: always the exact route (tests of the propagator path)
+WARMUP_ROUTE = True
 
 
 def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
@@ -48,13 +60,21 @@ def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
     1x8192: 16 chunks 0.21 ms, 8 chunks 0.24 ms."""
     if SEGMENT_CHUNKS is not None:
         return SEGMENT_CHUNKS or None
-    narrowest_programs = 4 * len(layout.lengths) * HV
-    if sms == 0 or narrowest_programs * SMS_PER_PROGRAM > sms:
+    if sms == 0 or _narrowest_programs(layout, HV) * WARMUP_SMS_PER_PROGRAM > sms:
         return None
     longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
     per_sequence = max(1, sms // (2 * len(layout.lengths) * HV))
     seg = max(MIN_SEGMENT_CHUNKS, math.ceil(longest / per_sequence))
     return seg if seg < longest else None
+
+
+def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:
+    return 4 * len(layout.lengths) * HV
+
+
+def exact_route_pays(layout: SequenceLayout, HV: int, sms: int) -> bool:
+    """Whether segments with the exact route (propagator + scan) beat no segments (SMS_PER_PROGRAM)."""
+    return SEGMENT_CHUNKS is not None or _narrowest_programs(layout, HV) * SMS_PER_PROGRAM <= sms
 
 
 def available() -> bool:
@@ -69,6 +89,7 @@ def available() -> bool:
 class SegmentPlan:
     segments: object                 # triton_generic.context_parallel.Segments
     chunk_offsets: torch.Tensor      # [n_seg + 1] int32: chunk-table row of each segment's first chunk
+    warmup: warmup.WarmupTables      # what the warm-up route needs (warmup.py)
 
 
 @functools.lru_cache(maxsize=32)
@@ -79,7 +100,9 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
     dev = layout.cu_seqlens.device
     chunk_offsets = torch.cat([segments.chunk_offsets,
                                torch.tensor([layout.n_chunks], dtype=torch.int32, device=dev)])
-    return SegmentPlan(segments, chunk_offsets)
+    tables = warmup.tables(segments.cu_seqlens.tolist(), segments.seg_offsets.tolist(),
+                           segments.chunk_offsets.tolist(), list(layout.offsets), dev)
+    return SegmentPlan(segments, chunk_offsets, tables)
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype):

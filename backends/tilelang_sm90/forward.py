@@ -17,8 +17,9 @@ makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session
   tile reads Q, K and Tb once per head. The plan took it for N * HV >= 70% of the SMs until the per-row
   decays made the three-warpgroup kernel faster there too (H200, 2026-11-29, forward ms, BV 128 / 64):
   16/64 4096x8 1.673 / 1.536, 4x8192 1.666 / 1.542; 8/32 4096x8 0.842 / 0.775; 4/16 4096x8 0.424 / 0.389.
-Few long sequences also get context parallelism (context_parallel.py), whose TileLang propagator reads the
-same K, Tb, V and gamma.
+Few long sequences also get context parallelism (context_parallel.py): segments whose initial states come
+from a short warm-up through the same state kernel where the gates decay (warmup.py), else from the TileLang
+propagator and a segment scan.
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue (gdnkit/prologue.py, whose backward backward.py uses).
@@ -31,7 +32,7 @@ import torch
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
-from . import context_parallel
+from . import context_parallel, warmup
 
 CHUNK = 64
 # wgmma and TMA need the arch-specific sm_90a target (plain sm_90 has neither).
@@ -59,19 +60,54 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _sm_count_of(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 0
+
+
 def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     if not context_parallel.available():
         return None
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 0
-    return context_parallel.segment_chunks(layout, HV, sms)
+    return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
+
+
+def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Problem):
+    """The segments' initial states [n_seg, HV, K, V] by warm-up (warmup.py), or None where a warm-up would
+    take more than a segment's chunks, or while a CUDA graph is being captured (it reads m back)."""
+    if not context_parallel.WARMUP_ROUTE or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    t = plan.warmup
+    m = warmup.warmup_chunks(t, warmup.log_norm_bound(g, k, beta), seg).tolist()
+    if max(m) > seg:
+        return None
+    H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
+    dev = k.device
+    s0 = torch.zeros(len(m), HV, K, V, device=dev, dtype=torch.float32)
+    if h0 is not None:  # a sequence's first segment, and warm-ups that reach their sequence's start
+        firsts = [j for j, mj in enumerate(m) if mj == 0]
+        s0[firsts] = h0[[t.seq_of[j] for j in firsts]]
+    w = warmup.launch(t, m, dev)
+    if w.segments:
+        init = torch.zeros(len(w.segments), HV, K, V, device=dev, dtype=torch.float32)
+        if h0 is not None and any(w.exact):
+            exact = [i for i, e in enumerate(w.exact) if e]
+            init[exact] = h0[[t.seq_of[w.segments[i]] for i in exact]]
+        kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
+        gw = gamma[:, w.chunk_rows].contiguous()
+        states = torch.empty_like(init)
+        scratch = torch.empty_like(vw)  # the kernel's output of the warm-up tokens, not used
+        kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
+                                     _plan_block_v(len(w.segments), HV, dev))
+        kernel(kw, kw, aw, vw, gw, w.cu_seqlens, w.chunk_offsets, init, scratch, states, float(problem.scale),
+               torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype))
+        s0[list(w.segments)] = states
+    return s0
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
     if BLOCK_V is not None:
         return BLOCK_V
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    target = TARGET_SM_FRACTION * sms
+    target = TARGET_SM_FRACTION * _sm_count_of(device)
     return 64 if 2 * N * HV >= target else 32
 
 
@@ -184,17 +220,32 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         intra_chunk_kernel(H, HV, dt, train)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma, tm)
         placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
         seg = None if train else _segment_chunks(layout, HV, dev)
+        route = None
         if seg:
-            # context parallelism: the segments' transitions [E | P] (TileLang propagator), their initial
-            # states by the segment scan, then the output pass over segments
+            # context parallelism: every segment's initial state, by warm-up where the gates decay enough
+            # (warmup.py), else exactly (propagator + segment scan) where that pays; then the output pass
+            # over segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
-            propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
-            s0, ht = context_parallel.segment_states(plan, aug, h0, N, problem.output_final_state, k.dtype)
+            s0 = _warmup_states(plan, seg, q, k, a, v, gamma, g, beta, h0, problem)
+            route = "warmup" if s0 is not None else None
+            if s0 is None and context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev)):
+                aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
+                propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
+                s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype)
+                route = "exact"
+        if route:
             n_seg = plan.segments.n_seg
-            kernel = state_output_kernel(H, HV, dt, True, False, _plan_block_v(n_seg, HV, dev))
-            kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o, placeholder,
-                   float(problem.scale), stub)
+            ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
+                if problem.output_final_state else None
+            kernel = state_output_kernel(H, HV, dt, True, ht_seg is not None, _plan_block_v(n_seg, HV, dev))
+            kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o,
+                   placeholder if ht_seg is None else ht_seg, float(problem.scale), stub)
+            ht = None
+            if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
+                ht = ht_seg[plan.segments.seg_offsets[1:].long() - 1]
+                empty = [n for n, length in enumerate(layout.lengths) if length == 0]
+                if empty:
+                    ht[empty] = 0.0 if h0 is None else h0[empty]
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
@@ -202,7 +253,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             kernel(q, k, a, v, gamma, layout.cu_seqlens, layout.chunk_offsets, placeholder if h0 is None else h0, o,
                    placeholder if ht is None else ht, float(problem.scale), hs)
         if intermediates is not None:
-            intermediates.update(a=a, gamma=gamma.reshape(HV, -1))
+            intermediates.update(a=a, gamma=gamma.reshape(HV, -1), context_parallel=route)
             if train:
                 intermediates.update(tm=tm, hs=hs)
 

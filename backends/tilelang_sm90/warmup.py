@@ -1,0 +1,96 @@
+"""Segment initial states by warm-up, for context parallelism (ALGORITHM.md section 4, the decay route).
+
+Per token the state map is S -> e^{g_t} (I - beta_t k_t k_t^T) S + beta_t k_t v_t^T. Its linear part has
+spectral norm at most b_t = e^{g_t} max(1, |1 - beta_t ||k_t||^2|) (the bracket is 1 for unit keys and beta
+in [0, 2]). So the state at a segment's start depends on the state m chunks earlier only through a product of
+norm <= exp(sum of log b_t over those m chunks). Once that sum is below LOG_BOUND for every head, running just
+those m chunks from a zero state gives the segment's S0 to within e^LOG_BOUND of the earlier state's size
+(e^-12 ~ 6e-6, where bf16 rounding is 4e-3). A warm-up that reaches back to its sequence's start is exact (it
+starts from the sequence's initial state).
+
+The warm-up runs the forward's own state kernel on the gathered warm-up chunks (a few per segment with decaying
+gates), so it costs a gather and a short launch, where the exact route (propagator.py + the segment scan)
+costs ~1.3 output passes. forward.py takes it when every segment's warm-up fits within a segment, which it
+learns with one host read; while a CUDA graph is being captured it keeps to the exact route.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+CHUNK = 64
+LOG_BOUND = -12.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupTables:
+    """Host facts of a segment plan that the warm-up needs (built once per plan)."""
+    starts: torch.Tensor       # [n_seg] int64 device: each segment's first token
+    before: torch.Tensor       # [n_seg] int64 device: whole chunks between its sequence's start and it
+    seq_of: tuple[int, ...]    # each segment's sequence
+    before_host: tuple[int, ...]
+    starts_host: tuple[int, ...]
+    chunk_rows_host: tuple[int, ...]  # each segment's first row of the chunk table (and of gamma)
+
+
+def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int], seq_starts: list[int],
+           device: torch.device) -> WarmupTables:
+    seq_of = [n for n in range(len(seg_offsets) - 1) for _ in range(seg_offsets[n], seg_offsets[n + 1])]
+    starts = seg_cu[:-1]
+    before = [(s - seq_starts[n]) // CHUNK for s, n in zip(starts, seq_of)]
+    as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    return WarmupTables(as_dev(starts), as_dev(before), tuple(seq_of), tuple(before), tuple(starts),
+                        tuple(seg_chunk_rows))
+
+
+def log_norm_bound(g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """log b_t per token and value head [total, HV] in float64, from the kernels' inputs g, beta [1, total, HV]
+    (natural-log gates) and k [1, total, H, K]."""
+    HV, H = g.shape[-1], k.shape[2]
+    # ||k_t||^2 per value head (the norm reduces in fp32 without a full-size copy of k)
+    kk = torch.linalg.vector_norm(k[0], dim=-1, dtype=torch.promote_types(k.dtype, torch.float32)).double().square()
+    kk = kk.repeat_interleave(HV // H, dim=1)
+    stretch = (1 - beta[0].double() * kk).abs().clamp_min(1.0).log()
+    return g[0].double() + stretch
+
+
+def warmup_chunks(t: WarmupTables, log_b: torch.Tensor, limit: int) -> torch.Tensor:
+    """[n_seg] int64 on the device: the fewest whole chunks before each segment whose bound is below LOG_BOUND
+    for every head, or all of them back to the sequence's start (exact) -- or limit + 1 where that takes more
+    than `limit` chunks. 0 for a sequence's first segment."""
+    n_seg, dev = t.starts.shape[0], log_b.device
+    cs = torch.cat([log_b.new_zeros(1, log_b.shape[1]), log_b.cumsum(0)])      # cs[p] = sum over tokens < p
+    m = torch.arange(1, limit + 1, device=dev)                                   # candidate warm-up lengths
+    valid = m[None, :] <= t.before[:, None]                                      # [n_seg, limit]
+    x = (t.starts[:, None] - CHUNK * m[None, :]).clamp_min(0)                    # warm-up's first token
+    log_norm = cs[t.starts][:, None, :] - cs[x]                                  # [n_seg, limit, HV]
+    ok = valid & ((log_norm <= LOG_BOUND).all(-1) | (m[None, :] == t.before[:, None]))
+    first = torch.where(ok.any(1), ok.to(torch.int8).argmax(1) + 1, torch.full_like(t.starts, limit + 1))
+    return torch.where(t.before == 0, torch.zeros_like(first), first)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupLaunch:
+    """The gathered warm-up chunks as a packed problem of its own, one pseudo-sequence per segment with m > 0."""
+    segments: tuple[int, ...]   # the segments it serves, in order
+    tokens: torch.Tensor        # [n_tokens] int64: gather index into the packed tokens
+    chunk_rows: torch.Tensor    # [n_chunks] int64: gather index into gamma's chunk rows
+    cu_seqlens: torch.Tensor    # [n + 1] int32
+    chunk_offsets: torch.Tensor  # [n + 1] int32
+    exact: tuple[bool, ...]     # reaches its sequence's start (starts from the initial state)
+
+
+def launch(t: WarmupTables, m: list[int], device: torch.device) -> WarmupLaunch:
+    segs = tuple(j for j, mj in enumerate(m) if mj > 0)
+    tokens, rows, cu, co = [], [], [0], [0]
+    for j in segs:
+        first = t.starts_host[j] - CHUNK * m[j]
+        tokens.append(torch.arange(first, t.starts_host[j]))
+        rows.append(torch.arange(t.chunk_rows_host[j] - m[j], t.chunk_rows_host[j]))
+        cu.append(cu[-1] + CHUNK * m[j])
+        co.append(co[-1] + m[j])
+    cat = lambda xs: (torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)).to(device)  # noqa: E731
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co),
+                        tuple(m[j] == t.before_host[j] for j in segs))
