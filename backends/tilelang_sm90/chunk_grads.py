@@ -11,14 +11,13 @@ the chunk (the forward's, stored per chunk), its dS_end, dU and dX (backward_sta
             and X, the decays Gamma_C / Gamma of the state update and Gamma_C's carry <S0, dS_end>;
     dg = the chunk's reverse cumsum of dgamma
 
-backends/reference/chunked_backward.py is the definition (its second half, term for term). dq and dk are per
-value head here; GVA sums them over the value heads of a q/k head afterwards, in a fixed order.
+backends/reference/chunked_backward.py is the definition (chunk_local_grads, term for term). dq and dk are
+per value head here; GVA sums them over the value heads of a q/k head afterwards, in a fixed order.
 
-One warpgroup per program and every product on wgmma (bf16 operands from shared memory, fp32 accumulators):
-the (C, K) and (C, V) results are 64 x 128 (64 registers per thread), the (C, C) ones 64 x 64. Shared tiles
-are reused as the work moves on (V -> X, dO -> s Gamma dO, dX -> -Gamma dX, dU -> (Gamma_C / Gamma) U), ~210
-KB at one program per SM. T (not only Tb) comes from the forward: beta can be 0, where Tb's column says
-nothing about T's.
+Two warpgroups per program, splitting each product's columns; every product on wgmma (bf16 operands from
+shared memory, fp32 accumulators; 188 registers, no spills). Shared tiles are reused as the work moves on
+(V -> X, dO -> s Gamma dO, dX -> -Gamma dX, dU -> (Gamma_C / Gamma) U), ~216 KB at one program per SM. T (not
+only Tb) comes from the forward: beta can be 0, where Tb's column says nothing about T's.
 
 Rows past a sequence's end read as zero (TMA clips at the tensor's end; inside the tensor they are the next
 sequence's rows, which every product here masks through the n_valid selects on gamma, X, U, dO and beta).
@@ -94,8 +93,10 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             kk = T.alloc_fragment((C, C), accum)      # K K^T
             cc = T.alloc_fragment((C, C), accum)      # dP, its transpose; dTb, its transpose; T^T dT; dA, dA^T
             sk = T.alloc_fragment((K, BK), accum)
-            e_g = T.alloc_fragment((C,), accum)       # Gamma on the valid rows
-            e_u = T.alloc_fragment((C,), accum)       # Gamma_C / Gamma on the valid rows
+            # Gamma and Gamma_C / Gamma on the valid rows, in shared memory: as (C,) fragments they would lay
+            # the (C, V) rescalings of shared tiles out on one thread in four (the fragments' replicas)
+            e_g = T.alloc_shared((C,), accum)
+            e_u = T.alloc_shared((C,), accum)
             row = T.alloc_fragment((C,), accum)       # a per-row sum
             dgam = T.alloc_fragment((C,), accum)
             dbt = T.alloc_fragment((C,), accum)
