@@ -29,6 +29,7 @@ KERNELS = {
     "backward_chunk": ("backward_chunk", "backward_chunk_kernel", dict(HEADS, BK=64, BV=64)),
     "backward_wy": ("backward_wy", "backward_wy_kernel", dict(HEADS, BK=64, BV=64, NK=2)),
     "kkt": ("intra_chunk", "kkt_kernel", dict(H=2, HV=4, K=128, IS_VARLEN=True, PREC="tf32", BK=64, CUMSUM=True)),
+    "diag_inverse": ("intra_chunk", "diag_inverse_kernel", dict(HV=4, IS_VARLEN=True)),
     "solve": ("intra_chunk", "solve_kernel", dict(HV=4, IS_VARLEN=True)),
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",

@@ -1,10 +1,12 @@
 """Per chunk, in parallel: gate cumsum, beta-scaled K K^T with the decay mask, the unit lower-triangular
 solve T = (I + A)^-1, then W = T diag(beta Gamma) K and U' = T diag(beta) V (ALGORITHM.md section 2).
 
-Three launches, each with the warp count its tiles want:
-    kkt_kernel    gamma and A (one 64 x 64 product per chunk), A stored fp32
-    solve_kernel  T from A in 16 x 16 blocks (substitution on the diagonal blocks, block products below)
-    w_u_kernel    W and U' from T (also the backward's recomputation from a saved T)
+Four launches, each with the warp count its tiles want:
+    kkt_kernel           gamma and A (one 64 x 64 product per chunk), A stored fp32
+    diag_inverse_kernel  A's four diagonal 16 x 16 blocks replaced by their inverses (substitution), one
+                         warp per block
+    solve_kernel         the rest of T from those by block products
+    w_u_kernel           W and U' from T (also the backward's recomputation from a saved T)
 They were one kernel at 8 warps, which held 255 registers and spilled (sm90 builds); split, every launch
 compiles spill-free, and the substitution reads each row of A from memory (one reduction per row, where
 extracting it from registers took a second). A lives only between the first two launches (fp32, 64 values
@@ -18,9 +20,10 @@ import triton.language as tl
 
 from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
 
-# Warps per program of the first two launches. sm90 builds with Triton 3.6 (ptxas, registers / spill
-# bytes at 1, 2, 4, 8 warps): kkt 255/928, 255/324, 197/0, 124/0; solve 255/1244, 255/144, 226/0, 128/0.
-# 8 warps keep both spill-free at ~128 registers (2 programs per SM); not yet timed on a GPU.
+# Warps per program. sm90 builds with Triton 3.6 (ptxas, registers / spill bytes at 1, 2, 4, 8 warps): kkt
+# 255/928, 255/324, 197/0, 124/0; solve (the products only) 255/992, 255/100, 228/0, 128/0: 8 warps keep both
+# spill-free at ~128 registers. diag_inverse_kernel runs at 1 warp: 64 registers, no spills, no barriers
+# (2 warps add 3 barriers a row step), so an SM holds 32 of its chains.
 KKT_WARPS = 8
 SOLVE_WARPS = 8
 
@@ -93,9 +96,26 @@ def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
+def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """One diagonal 16 x 16 block of a chunk's A per program (grid: 4 x chunks, B*HV), replaced in place by its
+    inverse (I + A_bb)^-1 (rows < L). The substitution is a chain of dependent loads, so its speed is how many
+    chains an SM runs at once: one warp per program, where one 8-warp program walked all four blocks in turn
+    (H200, 16/64 1x32768: 1.95 ms for that solve)."""
+    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t, _, _, _ = chunk_rows(pid // 4, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    ab = a + (bos * HV + i_h) * 64
+    row0, col0 = i_t * 64 + 16 * (pid % 4), 16 * (pid % 4)
+    inv = _diag_inverse(ab, row0, col0, L, HV)
+    rows = row0 + tl.arange(0, 16)
+    tl.store(ab + rows[:, None] * (HV * 64) + col0 + tl.arange(0, 16)[None, :], inv, mask=(rows < L)[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
 def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """T = (I + A)^-1 per chunk from the stored A: the four diagonal 16 x 16 inverses by substitution, the
-    rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (fp32 products)."""
+    """T = (I + A)^-1 per chunk from A whose diagonal blocks diag_inverse_kernel replaced by their inverses
+    T_ii: the rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (fp32 products). Rows of
+    T_ii past L read as 0 (not the identity's): they meet only A's columns past L, which are 0."""
     pid_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
@@ -103,10 +123,8 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
     t0 = i_t * 64
     o16 = tl.arange(0, 16)
     r0, r1, r2, r3 = t0 + o16, t0 + 16 + o16, t0 + 32 + o16, t0 + 48 + o16
-    t00 = _diag_inverse(ab, t0, 0, L, HV)
-    t11 = _diag_inverse(ab, t0 + 16, 16, L, HV)
-    t22 = _diag_inverse(ab, t0 + 32, 32, L, HV)
-    t33 = _diag_inverse(ab, t0 + 48, 48, L, HV)
+    t00, t11 = _block(ab, r0, L, 0, HV), _block(ab, r1, L, 16, HV)
+    t22, t33 = _block(ab, r2, L, 32, HV), _block(ab, r3, L, 48, HV)
     a10, a21, a32 = _block(ab, r1, L, 0, HV), _block(ab, r2, L, 16, HV), _block(ab, r3, L, 32, HV)
     a20, a31, a30 = _block(ab, r2, L, 0, HV), _block(ab, r3, L, 16, HV), _block(ab, r3, L, 0, HV)
     t10 = -tl.dot(t11, tl.dot(a10, t00, input_precision="ieee"), input_precision="ieee")
@@ -186,6 +204,8 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
                          IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype), num_warps=KKT_WARPS)
         # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
         tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
+        diag_inverse_kernel[(4 * grid_t, B * HV)](a, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen,
+                                                 num_warps=1)
         solve_kernel[grid](a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen, num_warps=SOLVE_WARPS)
         del a
     assert gcum is not None
