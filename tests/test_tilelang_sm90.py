@@ -575,17 +575,23 @@ def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, t
                 out[0, t0:t0 + m, hv] = x.float()
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen-gva-options"])
+@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T and every chunk's state,
     the backward hands them with dS_end, dU and dX from the reverse pass to the per-chunk kernel, sums dq/dk
-    over GVA's value heads and undoes the options' prologue. The kernels are float64 stand-ins of their
+    over GVA's value heads and undoes the options' prologue; with segments (context parallelism), each
+    segment's dS_end comes from a warm-up over the chunks after it. The kernels are float64 stand-ins of their
     contracts; every gradient is checked against autograd through the float64 reference."""
-    from gdnkit.backends.tilelang_sm90 import BACKEND
+    pytest.importorskip("triton")
+    from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if case == "segments" else 0)
+    warmups = []
+    real = bwd._warmup_ds_ends
+    monkeypatch.setattr(bwd, "_warmup_ds_ends", lambda *a: warmups.append(a[3]) or real(*a))
     monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
     monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False:
                         _state_stand_in(has_h0, store_ht, store_states))
@@ -595,9 +601,10 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    varlen = case != "dense"
+    varlen = case == "varlen-gva-options"
     H, HV = (1, 2) if varlen else (1, 1)
-    B, T, lengths = (1, 300, [130, 0, 167]) if varlen else (2, 100, None)
+    B, T, lengths = {"dense": (2, 100, None), "varlen-gva-options": (1, 300, [130, 0, 167]),
+                     "segments": (1, 400, [333, 0, 60])}[case]
     N = B if lengths is None else len(lengths)
     q, k = r(B, T, H, K).half(), r(B, T, H, K).half()
     if not varlen:
@@ -632,6 +639,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     assert all(e < 2e-3 for e in errs.values()), errs  # fp16 inputs, bf16 S0 / dS_end: ~3e-4 measured
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
+    # segments: 333 tokens in 2-chunk segments; the gates decay by ~10 a chunk, so 2 chunks reach e^-12
+    assert warmups == ([[2, 2, 0, 0]] if case == "segments" else [])
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
@@ -913,3 +922,39 @@ def test_training_gradients_repeat_bitwise():
         runs.append(torch.autograd.grad([o, ht], list(leaves.values()), [do, torch.ones_like(ht)]))
     for name, a, b in zip(x, *runs):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_scale", [1.0, 1e-3], ids=["warmup", "weak-gates"])
+def test_training_with_context_parallelism(gate_scale):
+    """One long sequence at 2/8 (segments on an H200): forward and backward in segments with decaying gates,
+    whole sequences with gates that barely decay; every gradient against the float64 chunked backward."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    H, HV, T, dev = 2, 8, 8200, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(9)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)) * gate_scale,
+             beta=torch.sigmoid(r(1, T, HV)), initial_state=r(1, HV, K, V) * 0.1)
+    do, dht = r(1, T, HV, V).to(torch.bfloat16), r(1, HV, K, V) * 0.1
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    cu = torch.tensor([0, T], device=dev)
+    o, ht = gdnkit.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu, backend="tilelang_sm90")
+    got = dict(zip(leaves, torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])))
+    rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
+    scale = K ** -0.5
+    with torch.no_grad():
+        ref = chunked_gdn_backward(rep(x["q"]), rep(x["k"]), x["v"].double(), x["g"].double(), x["beta"].double(),
+                                   scale, do.double(), h0=x["initial_state"].double(), dht=dht.double())
+        ref_o, _, _ = chunked_gdn(rep(x["q"]), rep(x["k"]), x["v"].double(), x["g"].double(), x["beta"].double(),
+                                  scale, x["initial_state"].double())
+    fold = lambda t: t.view(1, T, H, HV // H, K).sum(3)  # noqa: E731
+    want = dict(q=fold(ref.dq), k=fold(ref.dk), v=ref.dv, g=ref.dg, beta=ref.dbeta, initial_state=ref.dh0)
+    assert _rel(o, ref_o) <= BF16_FWD_BAR
+    errs = {n: _rel(got[n], want[n]) for n in want}
+    assert all(e <= 1e-2 for e in errs.values()), errs

@@ -79,3 +79,54 @@ def test_launch_gathers_each_warmup_as_its_own_sequence():
     assert w.cu_seqlens.tolist() == [0, 128, 192] and w.chunk_offsets.tolist() == [0, 2, 3]
     w = warmup.launch(t, [0, 3, 6, 0], torch.device("cpu"))   # both reach back to the sequence's start
     assert w.exact == (True, True) and w.chunk_rows.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+
+
+def _run_back(D, k, F, g, beta, hi, lo):
+    """The adjoint recurrence over tokens [lo, hi), last first: D <- e^g (I - beta k k^T) D + F_t (the backward's
+    dS chain, with arbitrary per-token injections F)."""
+    for t in reversed(range(lo, hi)):
+        D = math.exp(g[t]) * (D - beta[t] * torch.outer(k[t], k[t] @ D)) + F[t]
+    return D
+
+
+@settings(max_examples=20, deadline=None)
+@given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), limit=st.integers(1, 6),
+       rates=st.lists(st.sampled_from([1e-4, 0.05, 0.2, 1.0]), min_size=2, max_size=2),
+       beta_max=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
+def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, limit, rates, beta_max, seed):
+    """The backward's warm-up: each segment's dS_end from the chunks after it, run from zero (from dht where
+    they reach the sequence's end), within the bound of the true one."""
+    gen = torch.Generator().manual_seed(seed)
+    H, HV, Kd, Vd = 1, 2, 8, 4
+    T = n_chunks * CHUNK - 5
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, Kd, generator=gen, dtype=torch.float64), dim=-1)
+    g = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * torch.tensor(rates, dtype=torch.float64)
+    beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * beta_max
+    F = torch.randn(T, HV, Kd, Vd, generator=gen, dtype=torch.float64)
+    dht = torch.randn(HV, Kd, Vd, generator=gen, dtype=torch.float64)
+    starts = list(range(0, n_chunks, seg))
+    bounds = [s * CHUNK for s in starts] + [T]
+    t = warmup.tables(bounds, [0, len(starts)], starts, [0, T], torch.device("cpu"))
+    log_b = warmup.log_norm_bound(g, k, beta)
+    m = warmup.warmup_chunks(t, log_b, limit, reverse=True).tolist()
+    w = warmup.launch(t, m, torch.device("cpu"), reverse=True)
+    for j in range(len(starts)):
+        e, after = bounds[j + 1], t.after_host[j]
+        if after == 0:
+            assert m[j] == 0
+            continue
+        if m[j] == limit + 1:
+            assert after > limit
+            continue
+        x = min(e + CHUNK * m[j], T)
+        exact = m[j] == after
+        assert (exact and x == T) or (log_b[e:x].sum(0) <= warmup.LOG_BOUND).all()
+        i = w.segments.index(j)
+        assert w.tokens[int(w.cu_seqlens[i]):int(w.cu_seqlens[i + 1])].tolist() == list(range(e, x))
+        for hv in range(HV):
+            kh, gh, bh = k[0, :, 0], g[0, :, hv].tolist(), beta[0, :, hv].tolist()
+            at_x = _run_back(dht[hv], kh, F[:, hv], gh, bh, T, x)
+            true = _run_back(at_x, kh, F[:, hv], gh, bh, x, e)
+            warm = _run_back(dht[hv] if exact else torch.zeros(Kd, Vd, dtype=torch.float64), kh, F[:, hv], gh, bh, x, e)
+            bound = math.exp(float(log_b[e:x, hv].sum()))
+            assert (warm - true).norm() <= bound * at_x.norm() * (1 + 1e-9) + 1e-12

@@ -9,7 +9,9 @@ then GVA's sum of dq / dk over the value heads of each q/k head (a fixed order: 
 atomics anywhere), and the options' prologue undone (gdnkit.prologue). backends/reference/chunked_backward.py
 is the definition every stage is checked against.
 
-Not yet: context parallelism (a training forward runs without it, so the backward walks whole sequences).
+Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a warm-up over
+the chunks after it (warmup.py, the same norm bound as the forward's), then the reverse pass per segment.
+Where the gates decay too little for that, the reverse pass walks whole sequences.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
-from .forward import CHUNK, TARGET, TORCH_TO_TL, Saved, _plan_block_v
+from . import context_parallel, warmup
+from .forward import TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -48,6 +51,49 @@ def chunk_grads_kernel(H: int, HV: int, dtype: str):
     return _jit()[1](H, HV, dtype)
 
 
+def _segments(problem: Problem, s: Saved, dev: torch.device):
+    """(segment plan, warm-up chunks per segment) where the reverse pass runs in segments, else None: the
+    forward's segment rule, and every segment's dS_end within reach of a warm-up (warmup.py, reverse). There is
+    no exact route for the backward yet, so weak gates mean no segments. One host read, none while a CUDA
+    graph is being captured (then no segments)."""
+    seg = _segment_chunks(s.layout, problem.HV, dev)
+    if not seg or not context_parallel.WARMUP_ROUTE or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    plan = context_parallel.plan_segments(s.layout, seg)
+    m = warmup.warmup_chunks(plan.warmup, warmup.log_norm_bound(s.g, s.k, s.beta), seg, reverse=True).tolist()
+    return None if max(m) > seg else (plan, m)
+
+
+def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> torch.Tensor:
+    """dS_end of every segment [n_seg, HV, K, V] fp32: a sequence's last segment gets dht (or 0); the others
+    the reverse pass run from 0 (from dht where it reaches the sequence's end) over their warm-up chunks."""
+    t = plan.warmup
+    H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
+    dev = do.device
+    ds_end = torch.zeros(len(m), HV, K, V, device=dev, dtype=torch.float32)
+    if dht is not None:
+        lasts = [j for j, mj in enumerate(m) if mj == 0]
+        ds_end[lasts] = dht[[t.seq_of[j] for j in lasts]]
+    w = warmup.launch(t, m, dev, reverse=True)
+    if w.segments:
+        init = torch.zeros(len(w.segments), HV, K, V, device=dev, dtype=torch.float32)
+        if dht is not None and any(w.exact):
+            exact = [i for i, e in enumerate(w.exact) if e]
+            init[exact] = dht[[t.seq_of[w.segments[i]] for i in exact]]
+        qw, kw, aw, dow = s.q[:, w.tokens], s.k[:, w.tokens], s.a[:, w.tokens], do[:, w.tokens]
+        gw = s.gamma[:, w.chunk_rows].contiguous()
+        n_tok, n_ch = w.tokens.numel(), w.chunk_rows.numel()
+        scratch = [torch.empty(1, n_tok, HV, V, device=dev, dtype=s.v.dtype) for _ in range(2)]
+        dh_w = torch.empty(n_ch, HV, K, V, device=dev, dtype=s.v.dtype)
+        states = torch.empty_like(init)
+        kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
+                                       _plan_block_v(len(w.segments), HV, dev))
+        kernel(qw, kw, aw, dow, gw, w.cu_seqlens, w.chunk_offsets, init, *scratch, dh_w, states,
+               float(problem.scale))
+        ds_end[list(w.segments)] = states
+    return ds_end
+
+
 def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
     """Gradients w.r.t. the user's inputs (in their dtypes) for the output gradient do [B, T, HV, V] and the
     final-state gradient dht (None: zero)."""
@@ -70,11 +116,29 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     du = seqlayout.packed_output((1, total, HV, V), layout.cu_seqlens, device=dev, dtype=s.v.dtype)
     dv = seqlayout.packed_output((1, total, HV, V), layout.cu_seqlens, device=dev, dtype=s.v.dtype)
     dh = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.v.dtype)
-    dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
-    kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, _plan_block_v(N, HV, dev))
-    kernel(s.q, s.k, s.a, do, s.gamma, layout.cu_seqlens, layout.chunk_offsets,
-           placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
-           float(problem.scale))
+    plan = _segments(problem, s, dev)
+    if plan is None:
+        dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
+        kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, _plan_block_v(N, HV, dev))
+        kernel(s.q, s.k, s.a, do, s.gamma, layout.cu_seqlens, layout.chunk_offsets,
+               placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
+               float(problem.scale))
+    else:
+        # context parallelism: every segment's dS_end by a warm-up over the chunks after it, then the
+        # reverse pass per segment from those, its dS at the segment's start giving the sequences' dh0
+        plan, m = plan
+        ds_end = _warmup_ds_ends(problem, s, plan, m, do, dht)
+        n_seg = plan.segments.n_seg
+        dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
+        kernel = backward_state_kernel(H, HV, dt, True, store_dh0, _plan_block_v(n_seg, HV, dev))
+        kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, ds_end, du, dv, dh,
+               placeholder if dh0_seg is None else dh0_seg, float(problem.scale))
+        dh0 = None
+        if store_dh0:  # each sequence's first segment; a sequence without tokens passes dht through
+            dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
+            empty = [n for n, length in enumerate(layout.lengths) if length == 0]
+            if empty:
+                dh0[empty] = 0.0 if dht is None else dht[empty]
 
     # the parallel part, per value head
     dq = seqlayout.packed_output((1, total, HV, K), layout.cu_seqlens, device=dev, dtype=torch.float32)

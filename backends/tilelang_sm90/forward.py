@@ -156,6 +156,7 @@ class Saved:
     q: torch.Tensor               # after the prologue
     k: torch.Tensor
     v: torch.Tensor
+    g: torch.Tensor               # fp32, natural log (the backward's warm-up bound)
     beta: torch.Tensor            # fp32
     h0: torch.Tensor | None       # fp32, [N, HV, K, V]
     a: torch.Tensor               # Tb
@@ -173,7 +174,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     """(o, final state, Saved or None). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs
     back in it (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per
     chunk) for stage-by-stage checks. Problems that need gradients also keep T and every chunk's entering
-    state (no context parallelism for them yet)."""
+    state (with context parallelism, the output pass over segments stores them)."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -219,7 +220,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
         intra_chunk_kernel(H, HV, dt, train)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma, tm)
         placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
-        seg = None if train else _segment_chunks(layout, HV, dev)
+        seg = _segment_chunks(layout, HV, dev)
         route = None
         if seg:
             # context parallelism: every segment's initial state, by warm-up where the gates decay enough
@@ -237,9 +238,9 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
-            kernel = state_output_kernel(H, HV, dt, True, ht_seg is not None, _plan_block_v(n_seg, HV, dev))
+            kernel = state_output_kernel(H, HV, dt, True, ht_seg is not None, _plan_block_v(n_seg, HV, dev), train)
             kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o,
-                   placeholder if ht_seg is None else ht_seg, float(problem.scale), stub)
+                   placeholder if ht_seg is None else ht_seg, float(problem.scale), hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
                 ht = ht_seg[plan.segments.seg_offsets[1:].long() - 1]
@@ -259,7 +260,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
 
     saved = None
     if train and layout.n_chunks:
-        saved = Saved(q, k, v, beta, h0, a, tm, gamma, hs, layout, stash, A_log, dt_bias, dtypes)
+        saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, layout, stash, A_log, dt_bias, dtypes)
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()

@@ -25,23 +25,35 @@ LOG_BOUND = -12.0
 
 @dataclasses.dataclass(frozen=True)
 class WarmupTables:
-    """Host facts of a segment plan that the warm-up needs (built once per plan)."""
+    """Host facts of a segment plan that the warm-ups need (built once per plan). The forward's warm-up runs
+    the chunks before a segment (its initial state); the backward's the chunks after it (its dS_end)."""
     starts: torch.Tensor       # [n_seg] int64 device: each segment's first token
+    ends: torch.Tensor         # [n_seg] int64 device: the token after its last
+    seq_ends: torch.Tensor     # [n_seg] int64 device: the token after its sequence's last
     before: torch.Tensor       # [n_seg] int64 device: whole chunks between its sequence's start and it
+    after: torch.Tensor        # [n_seg] int64 device: chunks between it and its sequence's end (a tail counts)
     seq_of: tuple[int, ...]    # each segment's sequence
     before_host: tuple[int, ...]
+    after_host: tuple[int, ...]
     starts_host: tuple[int, ...]
+    ends_host: tuple[int, ...]
+    seq_ends_host: tuple[int, ...]
     chunk_rows_host: tuple[int, ...]  # each segment's first row of the chunk table (and of gamma)
+    end_rows_host: tuple[int, ...]    # the row of the chunk after it
 
 
 def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int], seq_starts: list[int],
            device: torch.device) -> WarmupTables:
     seq_of = [n for n in range(len(seg_offsets) - 1) for _ in range(seg_offsets[n], seg_offsets[n + 1])]
-    starts = seg_cu[:-1]
+    starts, ends = seg_cu[:-1], seg_cu[1:]
+    seq_ends = [seq_starts[n + 1] for n in seq_of]
     before = [(s - seq_starts[n]) // CHUNK for s, n in zip(starts, seq_of)]
+    after = [-(-(se - e) // CHUNK) for e, se in zip(ends, seq_ends)]
+    end_rows = [r + -(-(e - s) // CHUNK) for r, s, e in zip(seg_chunk_rows, starts, ends)]
     as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    return WarmupTables(as_dev(starts), as_dev(before), tuple(seq_of), tuple(before), tuple(starts),
-                        tuple(seg_chunk_rows))
+    return WarmupTables(as_dev(starts), as_dev(ends), as_dev(seq_ends), as_dev(before), as_dev(after),
+                        tuple(seq_of), tuple(before), tuple(after), tuple(starts), tuple(ends), tuple(seq_ends),
+                        tuple(seg_chunk_rows), tuple(end_rows))
 
 
 def log_norm_bound(g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -55,19 +67,25 @@ def log_norm_bound(g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor) -> torc
     return g[0].double() + stretch
 
 
-def warmup_chunks(t: WarmupTables, log_b: torch.Tensor, limit: int) -> torch.Tensor:
-    """[n_seg] int64 on the device: the fewest whole chunks before each segment whose bound is below LOG_BOUND
-    for every head, or all of them back to the sequence's start (exact) -- or limit + 1 where that takes more
-    than `limit` chunks. 0 for a sequence's first segment."""
-    n_seg, dev = t.starts.shape[0], log_b.device
+def warmup_chunks(t: WarmupTables, log_b: torch.Tensor, limit: int, reverse: bool = False) -> torch.Tensor:
+    """[n_seg] int64 on the device: the fewest whole chunks before each segment (reverse: after it) whose bound
+    is below LOG_BOUND for every head, or all of them to the sequence's start (end) -- exact -- or limit + 1
+    where that takes more than `limit` chunks. 0 for a sequence's first (last) segment. The backward's dS
+    chain runs the transposes of the same per-token maps, so the same norms bound it."""
+    dev = log_b.device
     cs = torch.cat([log_b.new_zeros(1, log_b.shape[1]), log_b.cumsum(0)])      # cs[p] = sum over tokens < p
     m = torch.arange(1, limit + 1, device=dev)                                   # candidate warm-up lengths
-    valid = m[None, :] <= t.before[:, None]                                      # [n_seg, limit]
-    x = (t.starts[:, None] - CHUNK * m[None, :]).clamp_min(0)                    # warm-up's first token
-    log_norm = cs[t.starts][:, None, :] - cs[x]                                  # [n_seg, limit, HV]
-    ok = valid & ((log_norm <= LOG_BOUND).all(-1) | (m[None, :] == t.before[:, None]))
-    first = torch.where(ok.any(1), ok.to(torch.int8).argmax(1) + 1, torch.full_like(t.starts, limit + 1))
-    return torch.where(t.before == 0, torch.zeros_like(first), first)
+    avail = t.after if reverse else t.before
+    if reverse:                                                                  # [end, x): x clipped at the
+        x = torch.minimum(t.ends[:, None] + CHUNK * m[None, :], t.seq_ends[:, None])  # sequence's end
+        log_norm = cs[x] - cs[t.ends][:, None, :]
+    else:                                                                        # [x, start)
+        x = (t.starts[:, None] - CHUNK * m[None, :]).clamp_min(0)
+        log_norm = cs[t.starts][:, None, :] - cs[x]                              # [n_seg, limit, HV]
+    valid = m[None, :] <= avail[:, None]
+    ok = valid & ((log_norm <= LOG_BOUND).all(-1) | (m[None, :] == avail[:, None]))
+    first = torch.where(ok.any(1), ok.to(torch.int8).argmax(1) + 1, torch.full_like(avail, limit + 1))
+    return torch.where(avail == 0, torch.zeros_like(first), first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,19 +96,22 @@ class WarmupLaunch:
     chunk_rows: torch.Tensor    # [n_chunks] int64: gather index into gamma's chunk rows
     cu_seqlens: torch.Tensor    # [n + 1] int32
     chunk_offsets: torch.Tensor  # [n + 1] int32
-    exact: tuple[bool, ...]     # reaches its sequence's start (starts from the initial state)
+    exact: tuple[bool, ...]     # reaches its sequence's start (end): starts from h0 (dht)
 
 
-def launch(t: WarmupTables, m: list[int], device: torch.device) -> WarmupLaunch:
+def launch(t: WarmupTables, m: list[int], device: torch.device, reverse: bool = False) -> WarmupLaunch:
     segs = tuple(j for j, mj in enumerate(m) if mj > 0)
     tokens, rows, cu, co = [], [], [0], [0]
     for j in segs:
-        first = t.starts_host[j] - CHUNK * m[j]
-        tokens.append(torch.arange(first, t.starts_host[j]))
-        rows.append(torch.arange(t.chunk_rows_host[j] - m[j], t.chunk_rows_host[j]))
-        cu.append(cu[-1] + CHUNK * m[j])
+        if reverse:
+            first, last, row = t.ends_host[j], min(t.ends_host[j] + CHUNK * m[j], t.seq_ends_host[j]), t.end_rows_host[j]
+        else:
+            first, last, row = t.starts_host[j] - CHUNK * m[j], t.starts_host[j], t.chunk_rows_host[j] - m[j]
+        tokens.append(torch.arange(first, last))
+        rows.append(torch.arange(row, row + m[j]))
+        cu.append(cu[-1] + last - first)
         co.append(co[-1] + m[j])
     cat = lambda xs: (torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)).to(device)  # noqa: E731
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co),
-                        tuple(m[j] == t.before_host[j] for j in segs))
+    avail = t.after_host if reverse else t.before_host
+    return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co), tuple(m[j] == avail[j] for j in segs))
