@@ -12,6 +12,10 @@ The warm-up runs the forward's own state kernel on the gathered warm-up chunks (
 gates), so it costs a gather and a short launch, where the exact route (propagator.py + the segment scan)
 costs ~1.3 output passes. forward.py takes it when every segment's warm-up fits within a segment, which it
 learns with one host read; while a CUDA graph is being captured it keeps to the exact route.
+
+The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
+gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
+reverse-pass kernel from zero (from dht where it reaches the sequence's end).
 """
 from __future__ import annotations
 
