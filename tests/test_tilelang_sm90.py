@@ -575,7 +575,7 @@ def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, t
                 out[0, t0:t0 + m, hv] = x.float()
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments"])
+@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T and every chunk's state,
     the backward hands them with dS_end, dU and dX from the reverse pass to the per-chunk kernel, sums dq/dk
@@ -588,7 +588,11 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if case == "segments" else 0)
+    segments = case.startswith("segments")
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
+    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
+    for module in (fwd, bwd):
+        monkeypatch.setattr(module, "propagator_kernel", lambda H, HV, dt: _propagator_stand_in)
     warmups = []
     real = bwd._warmup_ds_ends
     monkeypatch.setattr(bwd, "_warmup_ds_ends", lambda *a: warmups.append(a[3]) or real(*a))
@@ -603,8 +607,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     varlen = case == "varlen-gva-options"
     H, HV = (1, 2) if varlen else (1, 1)
-    B, T, lengths = {"dense": (2, 100, None), "varlen-gva-options": (1, 300, [130, 0, 167]),
-                     "segments": (1, 400, [333, 0, 60])}[case]
+    B, T, lengths = {"dense": (2, 100, None), "varlen-gva-options": (1, 300, [130, 0, 167])}.get(
+        case, (1, 400, [333, 0, 60]))
     N = B if lengths is None else len(lengths)
     q, k = r(B, T, H, K).half(), r(B, T, H, K).half()
     if not varlen:
@@ -640,7 +644,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
     # segments: 333 tokens in 2-chunk segments; the gates decay by ~10 a chunk, so 2 chunks reach e^-12
-    assert warmups == ([[2, 2, 0, 0]] if case == "segments" else [])
+    assert warmups == ([[2, 2, 0, 0]] if case == "segments" else [])   # segments-exact: the scan instead
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
@@ -927,8 +931,9 @@ def test_training_gradients_repeat_bitwise():
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_scale", [1.0, 1e-3], ids=["warmup", "weak-gates"])
 def test_training_with_context_parallelism(gate_scale):
-    """One long sequence at 2/8 (segments on an H200): forward and backward in segments with decaying gates,
-    whole sequences with gates that barely decay; every gradient against the float64 chunked backward."""
+    """One long sequence at 2/8 (segments on an H200): forward and backward in segments, by warm-ups with
+    decaying gates, by the exact routes (propagator and segment scans) with gates that barely decay; every
+    gradient against the float64 chunked backward."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()

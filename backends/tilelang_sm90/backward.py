@@ -10,8 +10,9 @@ atomics anywhere), and the options' prologue undone (gdnkit.prologue). backends/
 is the definition every stage is checked against.
 
 Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a warm-up over
-the chunks after it (warmup.py, the same norm bound as the forward's), then the reverse pass per segment.
-Where the gates decay too little for that, the reverse pass walks whole sequences.
+the chunks after it (warmup.py, the same norm bound as the forward's), or exactly where the gates decay too
+little for that (the forward's propagator gives each segment's transition, a reverse segment scan the dS_ends),
+then the reverse pass per segment.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, warmup
-from .forward import TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks
+from .forward import TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, propagator_kernel
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -52,16 +53,38 @@ def chunk_grads_kernel(H: int, HV: int, dtype: str):
 
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
-    """(segment plan, warm-up chunks per segment) where the reverse pass runs in segments, else None: the
-    forward's segment rule, and every segment's dS_end within reach of a warm-up (warmup.py, reverse). There is
-    no exact route for the backward yet, so weak gates mean no segments. One host read, none while a CUDA
-    graph is being captured (then no segments)."""
+    """(segment plan, route, warm-up chunks per segment) where the reverse pass runs in segments, else None:
+    the forward's segment rule; the warm-up route where every segment's dS_end is within a warm-up's reach
+    (warmup.py, reverse; one host read), else the exact route where it pays (context_parallel.exact_route_pays).
+    While a CUDA graph is being captured: the exact route or none."""
     seg = _segment_chunks(s.layout, problem.HV, dev)
-    if not seg or not context_parallel.WARMUP_ROUTE or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not seg:
         return None
     plan = context_parallel.plan_segments(s.layout, seg)
-    m = warmup.warmup_chunks(plan.warmup, warmup.log_norm_bound(s.g, s.k, s.beta), seg, reverse=True).tolist()
-    return None if max(m) > seg else (plan, m)
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if context_parallel.WARMUP_ROUTE and not capturing:
+        m = warmup.warmup_chunks(plan.warmup, warmup.log_norm_bound(s.g, s.k, s.beta), seg, reverse=True).tolist()
+        if max(m) <= seg:
+            return plan, "warmup", m
+    if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
+        return plan, "exact", None
+    return None
+
+
+def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dS_end of every segment, the sequences' dh0 or None), exactly: each segment's transition P (the
+    forward's propagator), its dS at the start from a zero dS_end (the reverse pass per segment), then the
+    reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j."""
+    H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
+    dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
+    aug = torch.empty(n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
+    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
+    f = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
+    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
+    backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(
+        s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, placeholder, *scratch, f,
+        float(problem.scale))
+    return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None, s.k.dtype, f=f)
 
 
 def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> torch.Tensor:
@@ -124,17 +147,21 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
                placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
                float(problem.scale))
     else:
-        # context parallelism: every segment's dS_end by a warm-up over the chunks after it, then the
-        # reverse pass per segment from those, its dS at the segment's start giving the sequences' dh0
-        plan, m = plan
-        ds_end = _warmup_ds_ends(problem, s, plan, m, do, dht)
+        # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, or exactly),
+        # then the reverse pass per segment from those; with the warm-up, its dS at each sequence's first
+        # segment's start is the sequence's dh0
+        plan, route, m = plan
         n_seg = plan.segments.n_seg
-        dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
-        kernel = backward_state_kernel(H, HV, dt, True, store_dh0, _plan_block_v(n_seg, HV, dev))
+        if route == "warmup":
+            ds_end, dh0 = _warmup_ds_ends(problem, s, plan, m, do, dht), None
+        else:
+            ds_end, dh0 = _exact_ds_ends(problem, s, plan, do, dht, (du, dv, dh))
+        dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
+            if store_dh0 and route == "warmup" else None
+        kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, _plan_block_v(n_seg, HV, dev))
         kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, ds_end, du, dv, dh,
                placeholder if dh0_seg is None else dh0_seg, float(problem.scale))
-        dh0 = None
-        if store_dh0:  # each sequence's first segment; a sequence without tokens passes dht through
+        if dh0_seg is not None:  # each sequence's first segment; a sequence without tokens passes dht through
             dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
             empty = [n for n, length in enumerate(layout.lengths) if length == 0]
             if empty:

@@ -105,12 +105,15 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
     return SegmentPlan(segments, chunk_offsets, tables)
 
 
-def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype):
+def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,
+                   f: torch.Tensor | None = None):
     """Step 2, from step 1's aug [n_seg, HV, K, V + K]: every segment's initial state [n_seg, HV, K, V] fp32 and
-    the sequences' final states."""
+    the sequences' final states. With f (the backward's dS at each segment's start from a zero dS_end), the
+    reverse scan dS_end_{j-1} = P_j^T dS_end_j + f_j instead: h0 is dht, and it returns every segment's dS_end
+    and the sequences' dh0."""
     from gdnkit.backends.triton_generic._common import dot_precision
     from gdnkit.backends.triton_generic.context_parallel import segment_scan
 
     _, HV, K, VK = aug.shape
     return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,
-                        dot_precision(dtype))
+                        dot_precision(dtype), f=f)
