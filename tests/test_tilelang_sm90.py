@@ -65,26 +65,28 @@ _ROLE_BRANCH = re.compile(r"^if \(\(\(int\)threadIdx\.x\) < (128|256)\) \{$")
 
 
 def _barriers_under_thread_subsets(src: str) -> list[str]:
-    """Lines of the generated CUDA where a block or named barrier (__syncthreads, __sync_thread_partial) sits
-    inside a branch that only some of a role's threads take (a thread-index test, an elected thread). Those
-    threads wait for arrivals that never come: the backward state pass hung on the H200 that way (session 5,
-    a (C,) fragment made a (C, K) loop run on one 64-thread replica around a 128-thread barrier)."""
+    """Lines of the generated CUDA where a barrier waits for threads that never come: a named barrier
+    (__sync_thread_partial, a role's own) inside a branch only some of the role's threads take (a thread-index
+    test, an elected thread), or a block barrier (__syncthreads) inside any thread branch, roles' included. The
+    backward state pass hung on the H200 the first way (session 5: a (C,) fragment made a (C, K) loop run on one
+    64-thread replica around a 128-thread barrier)."""
+    # per open brace: 0 no thread condition, 1 a role's branch, 2 a subset of a role
     stack, bad = [], []
     for n, line in enumerate(src.splitlines(), 1):
         code = line.strip()
-        if ("__sync_thread_partial" in code or "__syncthreads" in code) and any(stack):
+        level = max(stack, default=0)
+        if ("__sync_thread_partial" in code and level == 2) or ("__syncthreads" in code and level >= 1):
             bad.append(f"line {n}: {code}")
         if code.startswith("} else"):
-            flag = stack.pop() if stack else False
+            flag = stack.pop() if stack else 0
             stack.append(flag)
             continue
         for _ in range(code.count("}")):
             if stack:
                 stack.pop()
         for _ in range(code.count("{")):
-            subset = code.startswith("if (") and ("threadIdx" in code or "shuffle_elect" in code) \
-                and not _ROLE_BRANCH.match(code)
-            stack.append(subset)
+            threads = code.startswith("if (") and ("threadIdx" in code or "shuffle_elect" in code)
+            stack.append(0 if not threads else 1 if _ROLE_BRANCH.match(code) else 2)
     return bad
 
 
