@@ -60,8 +60,8 @@ def _assert_hopper_paths(src: str):
     assert not _barriers_under_thread_subsets(src), _barriers_under_thread_subsets(src)
 
 
-# a warpgroup role's branch (threads below 128 / 256); any other condition on the thread index picks a subset
-_ROLE_BRANCH = re.compile(r"^if \(\(\(int\)threadIdx\.x\) < (128|256)\) \{$")
+# a warpgroup role's branch (threads below a multiple of 128); any other thread condition picks a subset
+_ROLE_BRANCH = re.compile(r"^if \(\(\(int\)threadIdx\.x\) < ([1-9][0-9]*)\) \{$")
 
 
 def _barriers_under_thread_subsets(src: str) -> list[str]:
@@ -86,7 +86,8 @@ def _barriers_under_thread_subsets(src: str) -> list[str]:
                 stack.pop()
         for _ in range(code.count("{")):
             threads = code.startswith("if (") and ("threadIdx" in code or "shuffle_elect" in code)
-            stack.append(0 if not threads else 1 if _ROLE_BRANCH.match(code) else 2)
+            role = _ROLE_BRANCH.match(code)
+            stack.append(0 if not threads else 1 if role and int(role.group(1)) % 128 == 0 else 2)
     return bad
 
 
@@ -129,6 +130,17 @@ def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
     _assert_hopper_paths(src)
     # V is loaded only by the column tiles of E (P's tiles start from the identity with V = 0)
     assert src.count("tma_load(v_desc") == 1 and "blockIdx.x) < 2" in src
+
+
+def test_state_output_ws_wide_state_role_compiles():
+    """The experiment at 128 columns: 512 threads, the state role two warpgroups (each wgmma of the chain split
+    by columns: 64-wide instructions), registers 24 / 160 / 168, O stored per thread (no TMA store tile)."""
+    _tilelang()
+    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=128, stages=2)
+    _assert_hopper_paths(src)
+    assert "__launch_bounds__(512, 1)" in src and "tma_store" not in src
+    assert "reg_dealloc<24>" in src and "reg_alloc<160>" in src and "reg_alloc<168>" in src
+    assert "wgmma_rs" in src
 
 
 @pytest.mark.parametrize("block_v,stages", [(32, 3), (64, 2)])
@@ -345,7 +357,7 @@ def _rel(x, ref) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_v", [None, 32, 64, 128], ids=["auto", "bv32", "bv64", "bv128"])
+@pytest.mark.parametrize("block_v", [None, 32, 64, 128, "ws128"], ids=["auto", "bv32", "bv64", "bv128", "ws128"])
 @pytest.mark.parametrize("H,HV", [(2, 8), (16, 64)])
 def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -355,6 +367,11 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
+    if block_v == "ws128":  # the three-role kernel with its two-warpgroup state role at 128 columns
+        monkeypatch.setattr(fwd, "WS_WIDE", True)
+        # a cache of its own, so no other test gets a wide build from the module's
+        monkeypatch.setattr(fwd, "state_output_kernel", functools.lru_cache(maxsize=None)(fwd.state_output_kernel.__wrapped__))
+        block_v = 128
     monkeypatch.setattr(fwd, "BLOCK_V", block_v)
     forward = fwd.forward
 
