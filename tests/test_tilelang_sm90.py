@@ -8,6 +8,7 @@ choice, a float64 check of the solve's algebra, and a float64 model of both kern
 GPU (`-m gpu`, an sm90 device): forward() against the reference backend's chunked form in float64.
 """
 import functools
+import re
 import shutil
 
 import pytest
@@ -51,6 +52,38 @@ def _assert_hopper_paths(src: str):
     # TMA loads complete on an mbarrier (tl::Barrier) that is told the bytes to expect
     assert "Barrier*" in src and ("arrive_and_expect_tx" in src or "expect_transaction" in src), \
         "TMA loads are not tracked by mbarriers"
+    assert not _barriers_under_thread_subsets(src), _barriers_under_thread_subsets(src)
+
+
+# a warpgroup role's branch (threads below a multiple of 128); any other thread condition picks a subset
+_ROLE_BRANCH = re.compile(r"^if \(\(\(int\)threadIdx\.x\) < ([1-9][0-9]*)\) \{$")
+
+
+def _barriers_under_thread_subsets(src: str) -> list[str]:
+    """Lines of the generated CUDA where a barrier waits for threads that never come: a named barrier
+    (__sync_thread_partial, a role's own) inside a branch only some of the role's threads take (a thread-index
+    test, an elected thread), or a block barrier (__syncthreads) inside any thread branch, roles' included. The
+    backward state pass hung on the H200 the first way (session 5: a (C,) fragment made a (C, K) loop run on one
+    64-thread replica around a 128-thread barrier)."""
+    # per open brace: 0 no thread condition, 1 a role's branch, 2 a subset of a role
+    stack, bad = [], []
+    for n, line in enumerate(src.splitlines(), 1):
+        code = line.strip()
+        level = max(stack, default=0)
+        if ("__sync_thread_partial" in code and level == 2) or ("__syncthreads" in code and level >= 1):
+            bad.append(f"line {n}: {code}")
+        if code.startswith("} else"):
+            flag = stack.pop() if stack else 0
+            stack.append(flag)
+            continue
+        for _ in range(code.count("}")):
+            if stack:
+                stack.pop()
+        for _ in range(code.count("{")):
+            threads = code.startswith("if (") and ("threadIdx" in code or "shuffle_elect" in code)
+            role = _ROLE_BRANCH.match(code)
+            stack.append(0 if not threads else 1 if role and int(role.group(1)) % 128 == 0 else 2)
+    return bad
 
 
 @pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (16, 64, "float16")])
