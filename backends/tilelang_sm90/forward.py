@@ -58,19 +58,22 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _sm_count_of(device: torch.device) -> int:
+    """The device's SM count (0 off CUDA: no context parallelism there)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 0
+
+
 def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     if not context_parallel.available():
         return None
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 0
-    return context_parallel.segment_chunks(layout, HV, sms)
+    return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
     if BLOCK_V is not None:
         return BLOCK_V
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    target = TARGET_SM_FRACTION * sms
+    target = TARGET_SM_FRACTION * _sm_count_of(device)
     return 64 if 2 * N * HV >= target else 32
 
 
