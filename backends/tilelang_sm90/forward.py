@@ -65,6 +65,7 @@ def _sm_count(index: int) -> int:
 
 
 def _sm_count_of(device: torch.device) -> int:
+    """The device's SM count (0 off CUDA: no context parallelism there)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 0
 

@@ -118,7 +118,7 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
     T_ii past L read as 0 (not the identity's): they meet only A's columns past L, which are 0."""
     pid_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    bos, L, i_t, _, _, _ = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     ab = a + (bos * HV + i_h) * 64
     t0 = i_t * 64
     o16 = tl.arange(0, 16)
@@ -144,10 +144,16 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
     _store_band(tb, r3, r3 < L, t30, t31, t32, t33, HV)
 
 
-@triton.jit
-def _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_hk, H: tl.constexpr, HV: tl.constexpr,
-               K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """W = T diag(beta Gamma) K and U' = T diag(beta) V from the stored T (tmat) and gamma (gcum)."""
+@triton.jit(do_not_specialize=["T"])
+def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """W = T diag(beta Gamma) K and U' = T diag(beta) V from the stored T (tmat) and gamma (gcum): the
+    forward's third launch, and the backward's recomputation of W and U' from a T the forward kept."""
+    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     kb = k + bos * H * K + i_hk * K
     cb = gcum + bos * HV + i_h
@@ -173,17 +179,6 @@ def _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_hk, H: tl.constex
         vv = _load_rows(vb, r, m, HV * V, cv, mv).to(tl.float32)
         uu = tl.dot(tt.to(dt), (vv * bt[:, None]).to(dt), input_precision=PREC)
         tl.store(ub + r[:, None] * (HV * V) + cv[None, :], uu.to(dt), mask=m[:, None] & mv[None, :])
-
-
-@triton.jit(do_not_specialize=["T"])
-def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """The second half alone, from a T the forward kept (the backward's recomputation of W and U')."""
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    _w_u_chunk(k, v, beta, gcum, tmat, w, u, bos, r, m, i_h, i_h // (HV // H), H, HV, K, V, BK, BV, PREC)
 
 
 def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, tmat=None):
