@@ -634,7 +634,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         q, k = F.normalize(q.float(), dim=-1).half(), F.normalize(k.float(), dim=-1).half()
     v, g, beta = r(B, T, HV, V).half(), r(B, T, HV), r(B, T, HV)
     if not varlen:
-        g, beta = F.logsigmoid(g) * 0.2, torch.sigmoid(beta)
+        g, beta = F.logsigmoid(g) * 0.3, torch.sigmoid(beta)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
                 use_beta_sigmoid_in_kernel=True) if varlen else {}
     h0 = r(N, HV, K, V) * 0.1
@@ -662,8 +662,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     assert all(e < 2e-3 for e in errs.values()), errs  # fp16 inputs, bf16 S0 / dS_end: ~3e-4 measured
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
-    # segments: 333 tokens in 2-chunk segments; the gates decay by ~10 a chunk, so 2 chunks reach e^-12
-    assert warmups == ([[2, 2, 0, 0]] if case == "segments" else [])   # segments-exact: the scan instead
+    # segments: 333 tokens in 2-chunk segments; the gates decay by ~15 a chunk, so 1 chunk (warmup.reach) reaches e^-12
+    assert warmups == ([[1, 1, 0, 0]] if case == "segments" else [])   # segments-exact: the scan instead
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
@@ -733,7 +733,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = F.normalize(r(1, T, H, K), dim=-1).half()
     k = F.normalize(r(1, T, H, K), dim=-1).half()
-    v, g, beta = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * 0.2, torch.rand(1, T, HV, generator=gen)
+    v, g, beta = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * 0.3, torch.rand(1, T, HV, generator=gen)
     h0 = r(N, HV, V, K) * 0.1 if state else None  # state_v_first layout
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -766,7 +766,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     (2, 8, 8200, None, 1e-3, True, "exact"),     # gates barely decay: a warm-up would outrun its segment
     (2, 8, 65536 + 37, None, 1.0, True, "warmup"),
     (8, 32, 32768, None, 1.0, True, "warmup"),
-    (8, 32, 32768, None, 1e-3, True, None),       # 8/32: no warm-up, and the exact route does not pay
+    (8, 32, 32768, None, 1e-3, True, None),       # 8/32: no warm-up within half a segment, and the exact route does not pay
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an

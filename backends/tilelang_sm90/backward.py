@@ -63,8 +63,9 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     plan = context_parallel.plan_segments(s.layout, seg)
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if context_parallel.WARMUP_ROUTE and not capturing:
-        m = warmup.warmup_chunks(plan.warmup, warmup.log_norm_bound(s.g, s.k, s.beta), seg, reverse=True).tolist()
-        if max(m) <= seg:
+        limit = warmup.reach(seg)
+        m = warmup.warmup_chunks(plan.warmup, warmup.log_norm_bound(s.g, s.k, s.beta), limit, reverse=True).tolist()
+        if max(m) <= limit:
             return plan, "warmup", m
     if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
         return plan, "exact", None

@@ -78,12 +78,13 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
 
 def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Problem):
     """The segments' initial states [n_seg, HV, K, V] by warm-up (warmup.py), or None where a warm-up would
-    take more than a segment's chunks, or while a CUDA graph is being captured (it reads m back)."""
+    take more than warmup.reach(seg) chunks, or while a CUDA graph is being captured (it reads m back)."""
     if not context_parallel.WARMUP_ROUTE or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     t = plan.warmup
-    m = warmup.warmup_chunks(t, warmup.log_norm_bound(g, k, beta), seg).tolist()
-    if max(m) > seg:
+    limit = warmup.reach(seg)
+    m = warmup.warmup_chunks(t, warmup.log_norm_bound(g, k, beta), limit).tolist()
+    if max(m) > limit:
         return None
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
     dev = k.device

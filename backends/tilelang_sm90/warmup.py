@@ -10,7 +10,7 @@ starts from the sequence's initial state).
 
 The warm-up runs the forward's own state kernel on the gathered warm-up chunks (a few per segment with decaying
 gates), so it costs a gather and a short launch, where the exact route (propagator.py + the segment scan)
-costs ~1.3 output passes. forward.py takes it when every segment's warm-up fits within a segment, which it
+costs ~1.3 output passes. forward.py takes it when every segment's warm-up fits within half a segment (reach), which it
 learns with one host read; while a CUDA graph is being captured it keeps to the exact route.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
@@ -25,6 +25,14 @@ import torch
 
 CHUNK = 64
 LOG_BOUND = -12.0
+
+
+def reach(segment_chunks: int) -> int:
+    """The longest warm-up worth running, in chunks: half a segment. Each warm-up chunk lies on the critical path
+    as a segment's own chunk does, so a warm-up as long as its segment (an exact one over the whole segment before
+    it, where the gates barely decay) leaves the forward as slow as without segments (H200, 8/32 1x32768 with
+    gates scaled by 1e-4: 2 segments, the second warmed up over all of the first)."""
+    return segment_chunks // 2
 
 
 @dataclasses.dataclass(frozen=True)
