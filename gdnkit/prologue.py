@@ -60,6 +60,20 @@ def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias):
     return dq, dk, dg, dbeta, dA_log, ddt_bias
 
 
+def sum_head_groups(x: torch.Tensor, H: int) -> torch.Tensor:
+    """[B, T, HV, K] -> [B, T, H, K]: the gradient of GVA's broadcast of q/k head h to its HV / H adjacent value
+    heads (hv // (HV / H) == h), summed in a fixed order. Slice adds, not .sum over the group dimension: that
+    reduction ran at ~110 GB/s on the H200 (0.585 ms for dq and dk at 16/32 1x32768, bf16, fp32 grads)."""
+    B, T, HV, K = x.shape
+    if HV == H:
+        return x
+    x = x.view(B, T, H, HV // H, K)
+    out = x[:, :, :, 0] + x[:, :, :, 1]
+    for i in range(2, HV // H):
+        out += x[:, :, :, i]
+    return out
+
+
 def input_dtypes(inputs) -> dict:
     """The dtypes of the user's tensors (GDNInputs), which the backward's gradients are returned in."""
     q, k, v, g, beta, h0, A_log, dt_bias, _ = inputs

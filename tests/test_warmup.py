@@ -40,7 +40,7 @@ def test_warmup_states_are_within_the_bound_and_shortest(n_chunks, seg, limit, r
     starts = list(range(0, n_chunks, seg))          # one sequence cut every `seg` chunks
     t = warmup.tables([s * CHUNK for s in starts] + [T], [0, len(starts)], starts, [0, T], torch.device("cpu"))
     log_b = warmup.log_norm_bound(g, k, beta)
-    m = warmup.warmup_chunks(t, log_b, limit).tolist()
+    m = warmup.warmup_chunks(t, g, k, beta, limit).tolist()
 
     for j, s in enumerate(starts):
         x0 = s * CHUNK
@@ -108,7 +108,7 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, limit, rates, beta_ma
     bounds = [s * CHUNK for s in starts] + [T]
     t = warmup.tables(bounds, [0, len(starts)], starts, [0, T], torch.device("cpu"))
     log_b = warmup.log_norm_bound(g, k, beta)
-    m = warmup.warmup_chunks(t, log_b, limit, reverse=True).tolist()
+    m = warmup.warmup_chunks(t, g, k, beta, limit, reverse=True).tolist()
     w = warmup.launch(t, m, torch.device("cpu"), reverse=True)
     for j in range(len(starts)):
         e, after = bounds[j + 1], t.after_host[j]

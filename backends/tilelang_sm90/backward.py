@@ -64,7 +64,7 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if context_parallel.WARMUP_ROUTE and not capturing:
         limit = warmup.reach(seg)
-        m = warmup.warmup_chunks(plan.warmup, warmup.log_norm_bound(s.g, s.k, s.beta), limit, reverse=True).tolist()
+        m = warmup.warmup_chunks(plan.warmup, s.g, s.k, s.beta, limit, reverse=True).tolist()
         if max(m) <= limit:
             return plan, "warmup", m
     if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
@@ -176,8 +176,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     chunk_grads_kernel(H, HV, dt)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, s.hs, dh,
                                   layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta, float(problem.scale))
     # GVA: the value heads of one q/k head are adjacent (hv // (HV / H)); summed in a fixed order
-    dq = dq.view(B, T, H, HV // H, K).sum(3)
-    dk = dk.view(B, T, H, HV // H, K).sum(3)
+    dq, dk = prologue.sum_head_groups(dq.view(B, T, HV, K), H), prologue.sum_head_groups(dk.view(B, T, HV, K), H)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
                                                            s.dt_bias)

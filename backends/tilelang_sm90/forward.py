@@ -83,7 +83,7 @@ def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Prob
         return None
     t = plan.warmup
     limit = warmup.reach(seg)
-    m = warmup.warmup_chunks(t, warmup.log_norm_bound(g, k, beta), limit).tolist()
+    m = warmup.warmup_chunks(t, g, k, beta, limit).tolist()
     if max(m) > limit:
         return None
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]

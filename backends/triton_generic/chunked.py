@@ -241,9 +241,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         del h, dh, vnew
         dk, dv, dbeta, dg = backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, index.grid_t, cu,
                                         index.chunk_indices)
-        if HV != H:
-            dq = dq.view(B, T, H, HV // H, K).sum(3)
-            dk = dk.view(B, T, H, HV // H, K).sum(3)
+        dq, dk = prologue.sum_head_groups(dq, H), prologue.sum_head_groups(dk, H)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, saved.stash, dq, dk, dg, dbeta,
                                                            saved.A_log, saved.dt_bias)
     return prologue.grads_in_input_dtypes(saved.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
