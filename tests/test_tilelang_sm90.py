@@ -132,17 +132,6 @@ def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
     assert src.count("tma_load(v_desc") == 1 and "blockIdx.x) < 2" in src
 
 
-def test_state_output_ws_wide_state_role_compiles():
-    """The experiment at 128 columns: 512 threads, the state role two warpgroups (each wgmma of the chain split
-    by columns: 64-wide instructions), registers 24 / 160 / 168, O stored per thread (no TMA store tile)."""
-    _tilelang()
-    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=128, stages=2)
-    _assert_hopper_paths(src)
-    assert "__launch_bounds__(512, 1)" in src and "tma_store" not in src
-    assert "reg_dealloc<24>" in src and "reg_alloc<160>" in src and "reg_alloc<168>" in src
-    assert "wgmma_rs" in src
-
-
 @pytest.mark.parametrize("block_v,stages", [(32, 3), (64, 2)])
 def test_state_output_ws_keeps_p_in_registers_and_stores_o_by_tma(block_v, stages):
     """The three-warpgroup kernel's output role: P U takes P from registers (no P tile in shared memory), and
@@ -357,7 +346,7 @@ def _rel(x, ref) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_v", [None, 32, 64, 128, "ws128"], ids=["auto", "bv32", "bv64", "bv128", "ws128"])
+@pytest.mark.parametrize("block_v", [None, 32, 64, 128], ids=["auto", "bv32", "bv64", "bv128"])
 @pytest.mark.parametrize("H,HV", [(2, 8), (16, 64)])
 def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -367,11 +356,6 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    if block_v == "ws128":  # the three-role kernel with its two-warpgroup state role at 128 columns
-        monkeypatch.setattr(fwd, "WS_WIDE", True)
-        # a cache of its own, so no other test gets a wide build from the module's
-        monkeypatch.setattr(fwd, "state_output_kernel", functools.lru_cache(maxsize=None)(fwd.state_output_kernel.__wrapped__))
-        block_v = 128
     monkeypatch.setattr(fwd, "BLOCK_V", block_v)
     forward = fwd.forward
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -67,6 +68,25 @@ def test_warmup_states_are_within_the_bound_and_shortest(n_chunks, seg, limit, r
             assert err <= math.exp(bound[hv]) * at_x.norm() * (1 + 1e-9) + 1e-12, (err, bound[hv])
             if exact:
                 assert err <= 1e-12 * (1 + true.norm())
+
+
+@settings(max_examples=25, deadline=None)
+@given(n_chunks=st.integers(3, 9), seg=st.integers(1, 4), limit=st.integers(1, 8), first=st.integers(1, 3),
+       rate=st.sampled_from([1e-3, 0.1, 0.3, 1.0]), reverse=st.booleans(), seed=st.integers(0, 2**16))
+def test_lengths_from_a_first_window_equal_the_full_search(n_chunks, seg, limit, first, rate, reverse, seed):
+    """warmup_lengths reads a short window first and the whole `limit` only where that leaves a segment unsettled:
+    its answer is warmup_chunks' over the whole limit, whichever branch it takes."""
+    gen = torch.Generator().manual_seed(seed)
+    T = n_chunks * CHUNK - 9
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, 8, generator=gen, dtype=torch.float64), dim=-1)
+    g = -torch.rand(1, T, 2, generator=gen, dtype=torch.float64) * rate
+    beta = torch.rand(1, T, 2, generator=gen, dtype=torch.float64)
+    starts = list(range(0, n_chunks, seg))
+    t = warmup.tables([s * CHUNK for s in starts] + [T], [0, len(starts)], starts, [0, T], torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warmup, "FIRST_WINDOW", first)
+        got = warmup.warmup_lengths(t, g, k, beta, limit, reverse)
+    assert got == warmup.warmup_chunks(t, g, k, beta, limit, reverse).tolist()
 
 
 def test_launch_gathers_each_warmup_as_its_own_sequence():

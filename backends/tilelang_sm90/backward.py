@@ -64,7 +64,7 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if context_parallel.WARMUP_ROUTE and not capturing:
         limit = warmup.reach(seg)
-        m = warmup.warmup_chunks(plan.warmup, s.g, s.k, s.beta, limit, reverse=True).tolist()
+        m = warmup.warmup_lengths(plan.warmup, s.g, s.k, s.beta, limit, reverse=True)
         if max(m) <= limit:
             return plan, "warmup", m
     if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):

@@ -46,10 +46,6 @@ WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output
 # its TMA ring depth per V tile (H200, run 3 of session 4, state kernel ms at 3 / 2 stages): 4/16 1x32768
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
 WS_STAGES = {32: 3, 64: 2}
-# Experiment (session 5, CPU-verified only): run 128-wide V tiles on the three-role kernel with a two-warpgroup
-# state role (state_output_ws.py, block_v 128: 512 threads, 2 stages, ~225 KB) instead of the pipelined
-# kernel; the plan then takes 128 where N * HV fills ~70% of the SMs (NOTES.md "Next for speed" 1).
-WS_WIDE = False
 # the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
 # (ptxas: 168 registers, no spills at 256 threads)
 PIPELINED_THREADS = 256
@@ -83,7 +79,7 @@ def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Prob
         return None
     t = plan.warmup
     limit = warmup.reach(seg)
-    m = warmup.warmup_chunks(t, g, k, beta, limit).tolist()
+    m = warmup.warmup_lengths(t, g, k, beta, limit)
     if max(m) > limit:
         return None
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
@@ -114,8 +110,6 @@ def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
     if BLOCK_V is not None:
         return BLOCK_V
     target = TARGET_SM_FRACTION * _sm_count_of(device)
-    if WS_WIDE and N * HV >= target:
-        return 128
     return 64 if 2 * N * HV >= target else 32
 
 
@@ -144,11 +138,10 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
                         block_v: int, store_states: bool = False):
-    """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128 (or the
-    three-role kernel with WS_WIDE)."""
-    if block_v in WS_BLOCK_V or WS_WIDE:
+    """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128."""
+    if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v, stages=WS_STAGES.get(block_v, 2), store_states=store_states)
+                         block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states)
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
 

@@ -47,20 +47,14 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                          store_states: bool = False, K: int = 128, V: int = 128):
     """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
     V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
-    is a 1-element placeholder the kernel never touches.
-    block_v 128 (experiment, NOTES.md "Next for speed" 1): the state role is two warpgroups (256 threads,
-    each wgmma split by columns), so one program walks all 128 columns with one set of Q/K/Tb loads; 512
-    threads, registers 24 / 160 / 168 per role, 2 stages, O stored per thread (no room for its TMA tile)."""
+    is a 1-element placeholder the kernel never touches."""
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
-    wide = BV == 128
-    assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64, 128) and stages in (2, 3)
-    assert not wide or stages == 2
+    assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     SLOTS = 2                                          # S/U hand-over slots
-    STATE = 256 if wide else 128                       # threads of the state role
-    PRODUCER_REGS, STATE_REGS, OUTPUT_REGS = (24, 160, 168) if wide else (40, 232, 232)
+    PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
 
     num_tokens = T.dynamic("num_tokens")
@@ -85,7 +79,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         scale: T.float32,
         hs: T.Tensor(HS_SHAPE, dtype),
     ):
-        with T.Kernel(NV, HV, num_seqs, threads=THREADS + STATE - 128) as (bv, hv, n):
+        with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
             bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
@@ -101,8 +95,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             u_s = T.alloc_shared((SLOTS, C, BV), dtype)
             # private to one role
             x_s = T.alloc_shared((C, BV), dtype)      # state: X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
-            if not wide:
-                o_s = T.alloc_shared((C, BV), dtype)  # output: O of a full chunk, the source of its TMA store
+            o_s = T.alloc_shared((C, BV), dtype)      # output: O of a full chunk, the source of its TMA store
 
             S = T.alloc_fragment((K, BV), accum)
             x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
@@ -117,8 +110,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=[128] * stages)
-            freed = T.alloc_barrier(arrive_count=[STATE + 128] * stages)
-            su_ready = T.alloc_barrier(arrive_count=[STATE] * SLOTS)
+            freed = T.alloc_barrier(arrive_count=[256] * stages)
+            su_ready = T.alloc_barrier(arrive_count=[128] * SLOTS)
             su_free = T.alloc_barrier(arrive_count=[128] * SLOTS)
 
             tx = T.get_thread_binding()
@@ -135,9 +128,9 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.tma_copy(v[0, t0:t0 + C, hv, v0:v0 + BV], v_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(gamma[hv, c0 + i, 0:C], g_s[s, :], barrier=loaded[s])
                     T.barrier_arrive(loaded[s])
-            elif tx < 128 + STATE:
+            elif tx < 256:
                 # ---- state chain ----
-                T.set_max_nreg(STATE_REGS, 1)
+                T.set_max_nreg(CONSUMER_REGS, 1)
                 if has_initial_state:
                     T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
                 else:
@@ -178,7 +171,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
             else:
                 # ---- output ----
-                T.set_max_nreg(OUTPUT_REGS, 1)
+                T.set_max_nreg(CONSUMER_REGS, 1)
                 for i in T.serial(n_chunks):
                     s = i % stages
                     h = i % SLOTS
@@ -206,7 +199,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     # full chunks: whole 128-byte lines through one TMA store; a tail chunk stores its valid
                     # rows only, a TMA box would overwrite the next sequence's
                     full = n_valid == C
-                    if not wide and full:
+                    if full:
                         for r, j in T.Parallel(C, BV):
                             o_s[r, j] = acc_o[r, j] * scale
                         T.copy(o_s, o[0, t0:t0 + C, hv, v0:v0 + BV])
