@@ -580,8 +580,8 @@ def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, t
 
 @pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
-    """The sm90 training path around its four launches, on a CPU: the forward keeps T and every chunk's state,
-    the backward hands them with dS_end, dU and dX from the reverse pass to the per-chunk kernel, sums dq/dk
+    """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
+    with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the reverse pass to the per-chunk kernel, sums dq/dk
     over GVA's value heads and undoes the options' prologue; with segments (context parallelism), each
     segment's dS_end comes from a warm-up over the chunks after it. The kernels are float64 stand-ins of their
     contracts; every gradient is checked against autograd through the float64 reference."""
@@ -629,6 +629,12 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
                                       **{n: x for n, x in opts.items() if n not in ("A_log", "dt_bias")})
     assert problem.needs_grad
     o, ht, saved = BACKEND.chunk_forward(problem, inputs)
+    # S0 per chunk: by default the backward runs the forward's state pass again; the same bits as keeping them
+    assert saved.hs is None
+    with monkeypatch.context() as mp:
+        mp.setattr(fwd, "KEEP_STATES", True)
+        kept = BACKEND.chunk_forward(problem, inputs)[2].hs
+    assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
 
@@ -868,7 +874,7 @@ def test_chunk_grads_matches_reference_chunked_backward():
     from gdnkit import seqlayout
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import backward as bwd
-    from gdnkit.backends.tilelang_sm90.forward import forward
+    from gdnkit.backends.tilelang_sm90.forward import entering_states, forward
     from gdnkit.problem import CHUNK_MODE, validate_inputs
 
     H, HV, T, dev = 2, 4, 200, "cuda"
@@ -883,7 +889,8 @@ def test_chunk_grads_matches_reference_chunked_backward():
     assert problem.needs_grad
     got = {}
     with torch.no_grad():
-        forward(problem, inputs, intermediates=got)
+        saved = forward(problem, inputs, intermediates=got)[2]
+        hs = entering_states(problem, saved)  # the backward's S0 per chunk: the state pass run again
         layout = seqlayout.sequence_layout(torch.tensor([0, T], device=dev, dtype=torch.int32))
         nc, dt = layout.n_chunks, "bfloat16"
         gamma = got["gamma"].reshape(HV, nc, 64)
@@ -895,7 +902,7 @@ def test_chunk_grads_matches_reference_chunked_backward():
                                                                float(problem.scale))
         outs = [torch.full((1, T, HV, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
-        bwd.chunk_grads_kernel(H, HV, dt)(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, got["hs"], dh,
+        bwd.chunk_grads_kernel(H, HV, dt)(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
                                           layout.cu_seqlens, layout.chunk_indices, *outs, float(problem.scale))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731

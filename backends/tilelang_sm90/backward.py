@@ -3,7 +3,7 @@
     backward_state.py  per (sequence, value head, V tile), chunks right to left: dS on chip; stores every
                        chunk's dS_end (dh), dU, dX (= dV) and dh0
     chunk_grads.py     per (chunk, value head), in parallel: dq, dk (per value head), dg, dbeta from S0 (the
-                       forward's, forward.Saved.hs), dS_end, dU and dX
+                       forward's state pass run again, or kept: forward.entering_states), dS_end, dU and dX
 
 then GVA's sum of dq / dk over the value heads of each q/k head (a fixed order: bitwise repeatable; no float
 atomics anywhere), and the options' prologue undone (gdnkit.prologue). backends/reference/chunked_backward.py
@@ -24,7 +24,8 @@ from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, warmup
-from .forward import TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, propagator_kernel
+from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
+                      propagator_kernel)
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -173,7 +174,8 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     dk = seqlayout.packed_output((1, total, HV, K), layout.cu_seqlens, device=dev, dtype=torch.float32)
     dg = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
-    chunk_grads_kernel(H, HV, dt)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, s.hs, dh,
+    hs = entering_states(problem, s)  # recomputed here unless the forward kept them (forward.KEEP_STATES)
+    chunk_grads_kernel(H, HV, dt)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
                                   layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta, float(problem.scale))
     # GVA: the value heads of one q/k head are adjacent (hv // (HV / H)); summed in a fixed order
     dq, dk = prologue.sum_head_groups(dq.view(B, T, HV, K), H), prologue.sum_head_groups(dk.view(B, T, HV, K), H)

@@ -26,6 +26,7 @@ run as a small PyTorch prologue/epilogue (gdnkit/prologue.py, whose backward bac
 """
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -53,6 +54,11 @@ NUM_STAGES = 2    # its TMA pipeline depth
 # the state pass has N * HV * (V / BV) programs, each walking a whole sequence: narrower V tiles buy
 # parallelism when (sequences x heads) leave SMs idle (FlashQLA's rule: aim at ~70% of the SMs)
 TARGET_SM_FRACTION = 0.7
+# Training: the backward needs every chunk's entering state S0. Kept from the forward (KEEP_STATES), it is 512
+# bytes per token and value head in bf16 (16/32 1x32768: 537 MB per layer, alive from a layer's forward to its
+# backward, about what FLA keeps of everything else); by default the backward recomputes it with one more state
+# pass (the forward's launch, its O discarded: ~0.6 ms there, H200 session 6), as FLA and FlashQLA do.
+KEEP_STATES = os.environ.get("GDNKIT_SM90_KEEP_STATES", "0") == "1"
 
 
 @functools.lru_cache(maxsize=16)
@@ -152,6 +158,28 @@ def propagator_kernel(H: int, HV: int, dtype: str):
     return _jit()[3](H, HV, dtype, block_v=64)
 
 
+@dataclasses.dataclass(frozen=True)
+class StateLaunch:
+    """The state pass as the forward launched it: over the sequences from h0, or over context-parallel segments
+    from their initial states. The backward launches it again to recompute S0 per chunk."""
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    init: torch.Tensor | None     # [n, HV, K, V] fp32: h0, the segments' initial states, or None (zero)
+    n: int                        # sequences or segments
+
+
+def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs) -> None:
+    """One state pass: writes O into o, the final states into ht (if given), S0 per chunk into hs (if given)."""
+    H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
+    dev = k.device
+    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
+    kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
+                                 _plan_block_v(launch.n, HV, dev), hs is not None)
+    kernel(q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
+           placeholder if launch.init is None else launch.init, o, placeholder if ht is None else ht,
+           float(problem.scale), torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype) if hs is None else hs)
+
+
 @dataclasses.dataclass
 class Saved:
     """What the backward (backward.py) reads from a training forward, packed as [1, B*T, ...]."""
@@ -164,7 +192,8 @@ class Saved:
     a: torch.Tensor               # Tb
     tm: torch.Tensor              # T
     gamma: torch.Tensor           # [HV, num_chunks, 64]
-    hs: torch.Tensor              # S0 of every chunk, [num_chunks, HV, K, V] in the inputs' dtype
+    hs: torch.Tensor | None       # S0 of every chunk, [num_chunks, HV, K, V] in the inputs' dtype (KEEP_STATES)
+    states: StateLaunch           # how the forward ran its state pass (to recompute hs)
     layout: object                # gdnkit.seqlayout.SequenceLayout
     stash: dict                   # the prologue's (gdnkit.prep) inputs for its backward
     A_log: torch.Tensor | None
@@ -175,8 +204,8 @@ class Saved:
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
     """(o, final state, Saved or None). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs
     back in it (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per
-    chunk) for stage-by-stage checks. Problems that need gradients also keep T and every chunk's entering
-    state (with context parallelism, the output pass over segments stores them)."""
+    chunk) for stage-by-stage checks. Problems that need gradients also keep T, the state pass's launch and,
+    with KEEP_STATES, every chunk's entering state (else entering_states recomputes them)."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -213,15 +242,15 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         a = torch.empty(1, total, HV, CHUNK, device=dev, dtype=k.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
         gamma = torch.empty(HV, layout.n_chunks, CHUNK, device=dev, dtype=torch.float32)
-        stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)  # the training outputs' placeholder
-        tm = hs = stub
+        tm = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)  # T's placeholder outside training
+        hs = None
         if train:
             # the backward's TMA boxes read rows past cu_seqlens[-1]: zeros there, never stale NaNs
             tm = seqlayout.packed_output((1, total, HV, CHUNK), cu, device=dev, dtype=k.dtype)
             a[:, layout.offsets[-1]:] = 0
-            hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
+            if KEEP_STATES:
+                hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
         intra_chunk_kernel(H, HV, dt, train)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma, tm)
-        placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
         seg = _segment_chunks(layout, HV, dev)
         route = None
         if seg:
@@ -240,9 +269,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
-            kernel = state_output_kernel(H, HV, dt, True, ht_seg is not None, _plan_block_v(n_seg, HV, dev), train)
-            kernel(q, k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, s0, o,
-                   placeholder if ht_seg is None else ht_seg, float(problem.scale), hs)
+            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg)
+            _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
                 ht = ht_seg[plan.segments.seg_offsets[1:].long() - 1]
@@ -251,19 +279,28 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                     ht[empty] = 0.0 if h0 is None else h0[empty]
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
-            kernel = state_output_kernel(H, HV, dt, h0 is not None, problem.output_final_state,
-                                         _plan_block_v(N, HV, dev), train)
-            kernel(q, k, a, v, gamma, layout.cu_seqlens, layout.chunk_offsets, placeholder if h0 is None else h0, o,
-                   placeholder if ht is None else ht, float(problem.scale), hs)
+            states = StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N)
+            _state_pass(states, problem, q, k, a, v, gamma, o, ht, hs)
         if intermediates is not None:
             intermediates.update(a=a, gamma=gamma.reshape(HV, -1), context_parallel=route)
             if train:
-                intermediates.update(tm=tm, hs=hs)
+                intermediates.update(tm=tm)
 
     saved = None
     if train and layout.n_chunks:
-        saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, layout, stash, A_log, dt_bias, dtypes)
+        saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, states, layout, stash, A_log, dt_bias, dtypes)
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     return o, ht, saved
+
+
+def entering_states(problem: Problem, s: Saved) -> torch.Tensor:
+    """Every chunk's entering state S0 [num_chunks, HV, K, V] in the inputs' dtype: the forward's if it kept them
+    (KEEP_STATES), else from the forward's state pass run again (same launch, same bits; its O is discarded)."""
+    if s.hs is not None:
+        return s.hs
+    HV, K, V = problem.HV, problem.K, problem.V
+    hs = torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
+    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, torch.empty_like(s.v), None, hs)
+    return hs
