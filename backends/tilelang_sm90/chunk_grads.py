@@ -14,7 +14,7 @@ the chunk (the forward's, stored per chunk), its dS_end, dU and dX (backward_sta
 backends/reference/chunked_backward.py is the definition (chunk_local_grads, term for term). dq and dk are
 per value head here; GVA sums them over the value heads of a q/k head afterwards, in a fixed order.
 
-Two warpgroups per program, splitting each product's columns; every product on wgmma (bf16 operands from
+Two warpgroups per program, splitting each product's columns; every product on wgmma (21 of them) (bf16 operands from
 shared memory, fp32 accumulators; 188 registers, no spills). Shared tiles are reused as the work moves on
 (V -> X, dO -> s Gamma dO, dX -> -Gamma dX, dU -> (Gamma_C / Gamma) U), ~216 KB at one program per SM. T (not
 only Tb) comes from the forward: beta can be 0, where Tb's column says nothing about T's.
@@ -105,22 +105,27 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             tot = T.alloc_fragment((1,), accum)       # <S0, dS_end>
             g_last = T.alloc_var(accum)
 
-            loaded = T.alloc_barrier(arrive_count=THREADS)
-            T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded)
-            T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
-            T.tma_copy(v[0, t0:t0 + C, hv, 0:V], vx_s, barrier=loaded)
-            T.tma_copy(do[0, t0:t0 + C, hv, 0:V], do_s, barrier=loaded)
-            T.tma_copy(du[0, t0:t0 + C, hv, 0:V], du_s, barrier=loaded)
-            T.tma_copy(dx[0, t0:t0 + C, hv, 0:V], dx_s, barrier=loaded)
-            T.tma_copy(tb[0, t0:t0 + C, hv, 0:C], tb_s, barrier=loaded)
-            T.tma_copy(tm[0, t0:t0 + C, hv, 0:C], t_s, barrier=loaded)
-            T.tma_copy(h[bc, hv, 0:K, 0:V], s0_s, barrier=loaded)
-            T.tma_copy(dh[bc, hv, 0:K, 0:V], ds_s, barrier=loaded)
-            T.barrier_arrive(loaded)
+            # the tiles arrive in four groups, in the order the products first need them, so the first products
+            # start after ~80 of the ~200 KB (one program per SM: nothing else hides the loads)
+            loaded = T.alloc_barrier(arrive_count=[THREADS] * 4)
+            T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded[0])
+            T.tma_copy(h[bc, hv, 0:K, 0:V], s0_s, barrier=loaded[0])
+            T.tma_copy(v[0, t0:t0 + C, hv, 0:V], vx_s, barrier=loaded[0])
+            T.tma_copy(dx[0, t0:t0 + C, hv, 0:V], dx_s, barrier=loaded[0])
+            T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded[1])
+            T.tma_copy(do[0, t0:t0 + C, hv, 0:V], do_s, barrier=loaded[1])
+            T.tma_copy(tb[0, t0:t0 + C, hv, 0:C], tb_s, barrier=loaded[2])
+            T.tma_copy(dh[bc, hv, 0:K, 0:V], ds_s, barrier=loaded[2])
+            T.tma_copy(du[0, t0:t0 + C, hv, 0:V], du_s, barrier=loaded[3])
+            T.tma_copy(tm[0, t0:t0 + C, hv, 0:C], t_s, barrier=loaded[3])
+            T.barrier_arrive(loaded[0])
+            T.barrier_arrive(loaded[1])
+            T.barrier_arrive(loaded[2])
+            T.barrier_arrive(loaded[3])
             for i in T.Parallel(C):
                 g_s[i] = gamma[hv, bc, i]
                 b_s[i] = T.if_then_else(i < n_valid, beta[0, t0 + i, hv], 0.0)
-            T.barrier_wait(loaded, 0)
+            T.barrier_wait(loaded[0], 0)
             g_last = g_s[n_valid - 1]
             for i in T.Parallel(C):
                 e_g[i] = T.if_then_else(i < n_valid, T.exp(g_s[i]), 0.0)
@@ -129,14 +134,13 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             # ---- X = V - diag(Gamma) K S0 (into V's tile); dgamma -= Gamma (dX (.) K S0) row sums ----
             T.gemm(k_s, s0_s, cv, clear_accum=True)
             for i, j in T.Parallel(C, V):
+                vx_s[i, j] = T.if_then_else(i < n_valid, vx_s[i, j] - e_g[i] * cv[i, j], 0.0)
                 cv[i, j] = cv[i, j] * dx_s[i, j]
             T.reduce_sum(cv, row, dim=1)
             for i in T.Parallel(C):
                 dgam[i] = -e_g[i] * row[i]
-            T.gemm(k_s, s0_s, cv, clear_accum=True)
-            for i, j in T.Parallel(C, V):
-                vx_s[i, j] = T.if_then_else(i < n_valid, vx_s[i, j] - e_g[i] * cv[i, j], 0.0)
             # ---- dgamma += s Gamma (dO (.) Q S0) row sums ----
+            T.barrier_wait(loaded[1], 0)
             T.gemm(q_s, s0_s, cv, clear_accum=True)
             for i, j in T.Parallel(C, V):
                 cv[i, j] = cv[i, j] * do_s[i, j]
@@ -144,6 +148,7 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             for i in T.Parallel(C):
                 dgam[i] += scale * e_g[i] * row[i]
             # ---- U = Tb X ----
+            T.barrier_wait(loaded[2], 0)
             T.gemm(tb_s, vx_s, cv, clear_accum=True)
             for i, j in T.Parallel(C, V):
                 u_s[i, j] = T.if_then_else(i < n_valid, cv[i, j], 0.0)
@@ -188,6 +193,7 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
                 dgam[i] -= row[i]
             # ---- dTb = dU X^T (dU's rows past n_valid are another sequence's: masked); dT = dTb diag(beta);
             # dbeta = columns of dTb (.) T = rows of X dU^T (.) T^T ----
+            T.barrier_wait(loaded[3], 0)
             T.gemm(du_s, vx_s, cc, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 dt_s[i, j] = T.if_then_else(i < n_valid, cc[i, j] * b_s[j], 0.0)
