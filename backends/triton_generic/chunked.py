@@ -74,12 +74,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Launch settings of the sequential passes, for tuning from benchmarks.
-# Picked from register use of the sm90 builds (cuobjdump): at 4 warps or 2+ stages every sequential
-# kernel spills; 8 warps and 1 stage keep the unfused state pass spill-free at K = 128.
-STATE_WARPS = 8          # state pass alone / backward reverse pass
-FUSED_WARPS = 8          # state pass with the output fused in
-STATE_STAGES = 1
+# Launch settings of the sequential passes (warps, software-pipeline stages), for tuning from benchmarks.
+# 8 warps and 1 stage were picked from sm90 register use under an older Triton. Under Triton 3.6, 4 warps and
+# 2 stages at BV = 32 compile spill-free too (unfused 117 registers, fused 194, ~82 / ~111 KB of shared
+# memory), and at 1 stage no load is issued ahead: each chunk waits on memory twice (FLA's fwd_h, autotuned
+# over 2-4 stages, ran 0.80 ms against our 1.75 at 16/64 1x32768; session 6 notes). To be swept on a GPU
+# (scratch/tri_stage_sweep.py); fp32's tiles need 1 stage under Ada's ~99 KB a block.
+STATE_WARPS, STATE_STAGES = 8, 1       # state pass alone (and the propagator pass)
+FUSED_WARPS, FUSED_STAGES = 8, 1       # state pass with the output fused in
+REVERSE_WARPS, REVERSE_STAGES = 8, 1   # the backward's reverse pass
 # Context parallelism: None = decide from the SM count, 0 = off, n = segments of n chunks (tests).
 CP_SEGMENT_CHUNKS = None
 CP_MIN_SEGMENT_CHUNKS = 8
@@ -146,9 +149,9 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
 def _states(problem: Problem, p: Plan, q, k, w, u, gcum, h0, T, cu, index: Index, store: bool, want_ht: bool):
     """The forward's sequential part. Returns (o if fused, h, U, final state, [E | P] per segment or None)."""
     K, V, N, HV = problem.K, problem.V, problem.N, problem.HV
-    warps = FUSED_WARPS if p.fuse_output else STATE_WARPS
+    warps, stages = (FUSED_WARPS, FUSED_STAGES) if p.fuse_output else (STATE_WARPS, STATE_STAGES)
     flags = dict(fuse_output=p.fuse_output, store_h=store, store_vnew=store, BV=p.block_v, num_warps=warps,
-                 num_stages=STATE_STAGES)
+                 num_stages=stages)
     if p.segments is None:
         o, h, vnew, ht = state_pass(q, k, w, u, gcum, problem.scale, h0, T, N, cu, index.chunk_offsets,
                                     index.n_chunks, problem.state_v_first, want_ht, **flags)
@@ -220,7 +223,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         p = plan(problem, cu, v.device, fusable=False)
         _, h, vnew, _, aug = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=True, want_ht=False)
         del u
-        flags = dict(BV=p.block_v, num_warps=STATE_WARPS, num_stages=STATE_STAGES)
+        flags = dict(BV=p.block_v, num_warps=REVERSE_WARPS, num_stages=REVERSE_STAGES)
         du = local_du(q, k, gcum, do, problem.scale, T, index.grid_t, cu, index.chunk_indices)
         if p.segments is None:
             dh, du, dh0 = backward_state(q, k, w, gcum, do, du, dht, problem.scale, T, N, cu, index.chunk_offsets,
