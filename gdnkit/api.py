@@ -54,6 +54,10 @@ _SERVING_DOC = """
 """
 
 
+# Under torch.compile the call is opaque (a graph break), as FLA's is: Dynamo would otherwise trace into dispatch's
+# machine probe and the backends' host-side planning (cu_seqlens reads, cached layouts), which it cannot keep
+# correct across calls, and TileLang launches it cannot trace at all.
+@torch.compiler.disable
 def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
     problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state,
                                       **options)
