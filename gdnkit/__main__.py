@@ -1,8 +1,11 @@
-"""Command line: `python -m gdnkit info | check | bench`."""
+"""Command line: `python -m gdnkit info | check | warm | bench`."""
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import time
 
 import gdnkit
 from gdnkit import dispatch
@@ -38,6 +41,41 @@ def _check(args) -> int:
     return 1 if any("error" in r for r in report["rows"]) else 0
 
 
+def _warm(args) -> int:
+    try:
+        import tilelang  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: cannot build here
+        print(f"tilelang is not importable: {exc}", file=sys.stderr)
+        return 2
+    if shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"):
+        print("nvcc is not installed: tilelang cannot build kernels here", file=sys.stderr)
+        return 2
+    from gdnkit.backends.tilelang_sm90 import precompile
+    from gdnkit.backends.tilelang_sm90.forward import TORCH_TO_TL
+    for dtype in args.dtypes.split(","):
+        if dtype not in TORCH_TO_TL.values():
+            raise SystemExit(f"--dtypes: tilelang_sm90 builds {', '.join(TORCH_TO_TL.values())}, got {dtype!r}")
+    jobs = [job for heads in args.heads.split(",") for dtype in args.dtypes.split(",")
+            for job in precompile.family(*_head_pair(heads), dtype, training=not args.inference)]
+    print(f"building {len(jobs)} tilelang_sm90 kernels on {args.jobs} processes "
+          f"(cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')})")
+    start = time.monotonic()
+    results = precompile.build(jobs, args.jobs)
+    failed = [job for job, _, error in results if error]
+    print(f"{len(results) - len(failed)} built, {len(failed)} failed, {time.monotonic() - start:.0f} s")
+    return 1 if failed else 0
+
+
+def _head_pair(text: str) -> tuple[int, int]:
+    try:
+        H, HV = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--heads: expected HxHV pairs like 4x8,16x32, got {text!r}") from None
+    if H <= 0 or HV % H:
+        raise SystemExit(f"--heads: HV must be a positive multiple of H, got {text!r}")
+    return H, HV
+
+
 def _bench(argv: list[str]) -> int:
     from gdnkit.benchmarks.cli import main as bench_main
     return bench_main(argv)
@@ -54,9 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--json", metavar="PATH", help="also write the report (machine probe included) as JSON")
     check.add_argument("--backends", help="comma-separated backend names (default: all available)")
     check.add_argument("--seed", type=int, default=0)
+    warm = sub.add_parser("warm", help="build the tilelang_sm90 kernels of head configs before their first call "
+                                       "(into TileLang's disk cache; needs nvcc, not a GPU)")
+    warm.add_argument("--heads", required=True, help="H x HV pairs, comma-separated, e.g. 4x8,16x32")
+    warm.add_argument("--dtypes", default="bfloat16", help="bfloat16, float16 or both, comma-separated")
+    warm.add_argument("--inference", action="store_true", help="the forward's kernels only (no training)")
+    warm.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel build processes")
     sub.add_parser("bench", help="the benchmark harness (python -m gdnkit bench --help)")
     args = parser.parse_args(argv)
-    return {"info": _info, "check": _check}[args.command](args)
+    return {"info": _info, "check": _check, "warm": _warm}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""Build the sm90 kernel family of a head configuration ahead of its first call, in parallel processes.
+
+Every kernel is specialised on (H, HV, dtype) and a few flags, and compiles in 2-40 s (chunk_grads the
+longest); a first training call at a new head configuration builds ~20 of them one after another (150-190 s
+on the H200's host, session 6). TileLang keeps what it builds in its on-disk cache (TILELANG_CACHE_DIR), keyed
+on the kernel alone, not on the machine: so the family can be built here with nothing but nvcc, one kernel
+per process, on a machine without a GPU too, and the cache directory copied to where the GPU is.
+
+`family` lists every kernel the forward and backward can ask for (forward.py and backward.py's factories
+with the values their arguments take there); `build` runs one per process.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import multiprocessing
+import time
+from typing import NamedTuple
+
+
+class Job(NamedTuple):
+    module: str      # "forward" or "backward" (this package's modules)
+    factory: str     # the lru-cached factory function there
+    args: tuple
+
+    def __str__(self) -> str:
+        return f"{self.factory}{self.args}"
+
+
+def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
+    """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
+    without initial / final states at each V tile the plan picks; the context-parallel propagator), and with
+    `training` the intra kernel that also writes T, the state pass that stores S0 (the backward's recompute,
+    or the forward with KEEP_STATES), the reverse pass and the per-chunk gradients."""
+    from .forward import WS_BLOCK_V
+
+    flags = (False, True)
+    jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False))]
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False))
+             for h0, ht, bv in itertools.product(flags, flags, WS_BLOCK_V)]
+    jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
+    if training:
+        jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True)))
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True))    # ht: KEEP_STATES
+                 for h0, ht, bv in itertools.product(flags, flags, WS_BLOCK_V)]
+        jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv))
+                 for dht, dh0, bv in itertools.product(flags, flags, WS_BLOCK_V)]
+        jobs.append(Job("backward", "chunk_grads_kernel", (H, HV, dtype)))
+    return jobs
+
+
+def _build_one(job: Job) -> tuple[Job, float, str | None]:
+    """In a worker process: call the factory (it compiles, or loads from the disk cache)."""
+    import importlib
+
+    start = time.monotonic()
+    try:
+        module = importlib.import_module(f"{__package__}.{job.module}")
+        getattr(module, job.factory)(*job.args)
+    except Exception as exc:  # reported per kernel; the others still build
+        return job, time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+    return job, time.monotonic() - start, None
+
+
+def build(jobs: list[Job], workers: int, report=print) -> list[tuple[Job, float, str | None]]:
+    """Builds every job in `workers` spawned processes (the longest first); returns (job, seconds, error)."""
+    order = sorted(jobs, key=lambda j: j.factory != "chunk_grads_kernel")   # the slowest compile first
+    results = []
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(_build_one, j) for j in order]):
+            job, seconds, error = future.result()
+            report(f"  {job}: {seconds:.0f} s" + (f"  FAILED {error[:300]}" if error else ""))
+            results.append((job, seconds, error))
+    return results
