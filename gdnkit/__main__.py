@@ -42,8 +42,14 @@ def _check(args) -> int:
 
 
 def _warm(args) -> int:
+    from gdnkit.backends.tilelang_sm90.forward import TORCH_TO_TL
+    dtypes = args.dtypes.split(",")
+    for dtype in dtypes:
+        if dtype not in TORCH_TO_TL.values():
+            raise SystemExit(f"--dtypes: tilelang_sm90 builds {', '.join(TORCH_TO_TL.values())}, got {dtype!r}")
+    heads = [_head_pair(text) for text in args.heads.split(",")]
     try:
-        import tilelang  # noqa: F401
+        import tilelang  # noqa: F401 - what builds the kernels
     except Exception as exc:  # noqa: BLE001 - any import failure means: cannot build here
         print(f"tilelang is not importable: {exc}", file=sys.stderr)
         return 2
@@ -51,12 +57,8 @@ def _warm(args) -> int:
         print("nvcc is not installed: tilelang cannot build kernels here", file=sys.stderr)
         return 2
     from gdnkit.backends.tilelang_sm90 import precompile
-    from gdnkit.backends.tilelang_sm90.forward import TORCH_TO_TL
-    for dtype in args.dtypes.split(","):
-        if dtype not in TORCH_TO_TL.values():
-            raise SystemExit(f"--dtypes: tilelang_sm90 builds {', '.join(TORCH_TO_TL.values())}, got {dtype!r}")
-    jobs = [job for heads in args.heads.split(",") for dtype in args.dtypes.split(",")
-            for job in precompile.family(*_head_pair(heads), dtype, training=not args.inference)]
+    jobs = [job for H, HV in heads for dtype in dtypes
+            for job in precompile.family(H, HV, dtype, training=not args.inference)]
     print(f"building {len(jobs)} tilelang_sm90 kernels on {args.jobs} processes "
           f"(cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')})")
     start = time.monotonic()

@@ -34,3 +34,21 @@ def test_check_prints_table_and_writes_json(tmp_path):
 def test_unknown_subcommand_fails_with_usage():
     out = run("nope")
     assert out.returncode != 0 and "usage" in out.stderr
+
+
+def test_warm_rejects_bad_heads_and_dtypes():
+    for args, message in ((("--heads", "4x6"), "HV must be a positive multiple of H"),
+                          (("--heads", "16"), "expected HxHV pairs"),
+                          (("--heads", "4x8", "--dtypes", "float32"), "tilelang_sm90 builds bfloat16, float16")):
+        p = run("warm", *args)
+        assert p.returncode != 0 and message in p.stderr, (args, p.stderr)
+
+
+def test_warm_family_covers_training_and_inference():
+    from gdnkit.backends.tilelang_sm90 import precompile
+    inference = precompile.family(4, 16, "bfloat16", training=False)
+    training = precompile.family(4, 16, "bfloat16", training=True)
+    assert set(inference) < set(training)
+    assert {j.factory for j in training} == {"intra_chunk_kernel", "state_output_kernel", "propagator_kernel",
+                                             "backward_state_kernel", "chunk_grads_kernel"}
+    assert len(set(training)) == len(training)

@@ -8,6 +8,7 @@ choice, a float64 check of the solve's algebra, and a float64 model of both kern
 GPU (`-m gpu`, an sm90 device): forward() against the reference backend's chunked form in float64.
 """
 import functools
+import inspect
 import re
 import shutil
 
@@ -578,6 +579,31 @@ def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, t
                 out[0, t0:t0 + m, hv] = x.float()
 
 
+def _recorded(calls: list, name: str, factory):
+    """A kernel factory stand-in that records (name, its arguments): checked against precompile.family."""
+    def record(*args):
+        bound = inspect.signature(factory).bind(*args)
+        bound.apply_defaults()   # the lru cache's key: a defaulted flag spelt out is the same kernel
+        calls.append((name, tuple(bound.arguments.values())))
+        return factory(*args)
+    return record
+
+
+def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
+    monkeypatch.setattr(fwd, "intra_chunk_kernel", _recorded(calls, "intra_chunk_kernel",
+                                                             lambda H, HV, dt, emit_t=False: _intra_stand_in))
+    monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
+        calls, "state_output_kernel",
+        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False: _state_stand_in(has_h0, store_ht, store_states)))
+
+
+def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) -> None:
+    """Every kernel the call asked for is one `python -m gdnkit warm` builds ahead (precompile.family)."""
+    from gdnkit.backends.tilelang_sm90 import precompile
+    family = {(job.factory, job.args) for job in precompile.family(H, HV, dtype, training)}
+    assert calls and set(calls) <= family, set(calls) - family
+
+
 @pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
@@ -594,17 +620,18 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     segments = case.startswith("segments")
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
+    calls = []
     for module in (fwd, bwd):
-        monkeypatch.setattr(module, "propagator_kernel", lambda H, HV, dt: _propagator_stand_in)
+        monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
+                                                                   lambda H, HV, dt: _propagator_stand_in))
     warmups = []
     real = bwd._warmup_ds_ends
     monkeypatch.setattr(bwd, "_warmup_ds_ends", lambda *a: warmups.append(a[3]) or real(*a))
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
-    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False:
-                        _state_stand_in(has_h0, store_ht, store_states))
-    monkeypatch.setattr(bwd, "backward_state_kernel", lambda H, HV, dt, has_dht, store_dh0, bv:
-                        _backward_state_stand_in(has_dht, store_dh0))
-    monkeypatch.setattr(bwd, "chunk_grads_kernel", lambda H, HV, dt: _chunk_grads_stand_in)
+    _stand_in_forward_kernels(monkeypatch, fwd, calls)
+    monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(calls, "backward_state_kernel", lambda H, HV, dt, has_dht, store_dh0, bv:
+                        _backward_state_stand_in(has_dht, store_dh0)))
+    monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
+                                                             lambda H, HV, dt: _chunk_grads_stand_in))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -654,6 +681,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
     # segments: 333 tokens in 2-chunk segments; the gates decay by ~15 a chunk, so 1 chunk (warmup.reach) reaches e^-12
     assert warmups == ([[1, 1, 0, 0]] if case == "segments" else [])   # segments-exact: the scan instead
+    _assert_in_family(calls, H, HV, "float16", training=True)
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
@@ -714,9 +742,10 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
-    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False: _state_stand_in(has_h0, store_ht, store_states))
-    monkeypatch.setattr(fwd, "propagator_kernel", lambda H, HV, dt: _propagator_stand_in)
+    calls = []
+    _stand_in_forward_kernels(monkeypatch, fwd, calls)
+    monkeypatch.setattr(fwd, "propagator_kernel", _recorded(calls, "propagator_kernel",
+                                                            lambda H, HV, dt: _propagator_stand_in))
 
     gen = torch.Generator().manual_seed(1)
     H, HV, T, N = 1, 2, sum(lengths) + 5, len(lengths)  # 5 tokens past the last sequence
@@ -746,6 +775,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     assert _rel(o_cp, o_plain) < 2e-3 and _rel(ht_cp, ht_plain) < 1e-3
     assert _rel(o_cp, ref_o) < 2e-3 and _rel(ht_cp, ref_ht) < 1e-3
     assert o_cp[:, sum(lengths):].abs().max() == 0
+    _assert_in_family(calls, H, HV, "float16", training=False)
 
 
 @pytest.mark.gpu

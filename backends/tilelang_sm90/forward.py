@@ -88,7 +88,7 @@ def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Prob
     m = warmup.warmup_lengths(t, g, k, beta, limit)
     if max(m) > limit:
         return None
-    H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
     dev = k.device
     s0 = torch.zeros(len(m), HV, K, V, device=dev, dtype=torch.float32)
     if h0 is not None:  # a sequence's first segment, and warm-ups that reach their sequence's start
@@ -103,11 +103,9 @@ def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Prob
         kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
         gw = gamma[:, w.chunk_rows].contiguous()
         states = torch.empty_like(init)
-        scratch = torch.empty_like(vw)  # the kernel's output of the warm-up tokens, not used
-        kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
-                                     _plan_block_v(len(w.segments), HV, dev))
-        kernel(kw, kw, aw, vw, gw, w.cu_seqlens, w.chunk_offsets, init, scratch, states, float(problem.scale),
-               torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype))
+        # the warm-up tokens' O is not used (k stands in for q); their final states are the segments' S0
+        _state_pass(StateLaunch(w.cu_seqlens, w.chunk_offsets, init, len(w.segments)), problem, kw, kw, aw, vw,
+                    gw, torch.empty_like(vw), states, None)
         s0[list(w.segments)] = states
     return s0
 
