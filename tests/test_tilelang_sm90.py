@@ -144,6 +144,18 @@ def test_state_output_ws_keeps_p_in_registers_and_stores_o_by_tma(block_v, stage
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2
 
 
+@pytest.mark.parametrize("block_v,stages", [(32, 3), (64, 2)])
+def test_state_output_ws_without_output_stores_only_the_states(block_v, stages):
+    """The backward's recompute of S0: no Q loads, no output products or O stores; the third warpgroup stores
+    each chunk's hand-over tile to hs by TMA."""
+    _tilelang()
+    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=block_v, stages=stages, store_states=True,
+                  emit_output=False, has_initial_state=True)
+    _assert_hopper_paths(src)
+    assert "tma_load(q_desc" not in src and "o_desc" not in src and "tma_store(hs_desc" in src
+    assert src.count("wgmma_ss<") == 3 and "wgmma_rs" not in src   # the chain's K S, Tb X and K^T U only
+
+
 @pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv", [(16, 32, "bfloat16", True, True, 64), (4, 8, "float16", False, False, 32)])
 def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv):
     _tilelang()
@@ -485,9 +497,9 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
             gamma[hv, row, n:] = gs[-1].float()
 
 
-def _state_stand_in(has_h0, store_ht, store_states=False):
-    """What the state/output kernel writes: O rows of every sequence (of cu), final states if asked, every
-    chunk's entering state (bf16) if store_states."""
+def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True):
+    """What the state/output kernel writes: O rows of every sequence (of cu) if emit_output, final states if
+    asked, every chunk's entering state (bf16) if store_states."""
     def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs):
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
@@ -506,7 +518,8 @@ def _state_stand_in(has_h0, store_ht, store_states=False):
                     i = torch.arange(m)
                     U = tb @ (vv - gs.exp()[:, None] * (kk @ S))
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
-                    o[0, t0:t0 + m, hv] = (scale * ((qq @ S) * gs.exp()[:, None] + P @ U)).to(o.dtype)
+                    if emit_output:
+                        o[0, t0:t0 + m, hv] = (scale * ((qq @ S) * gs.exp()[:, None] + P @ U)).to(o.dtype)
                     S = S * gs[-1].exp() + kk.T @ (U * torch.exp(gs[-1] - gs)[:, None])
                 if store_ht:
                     ht[n, hv] = S.float()
@@ -594,7 +607,8 @@ def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
                                                              lambda H, HV, dt, emit_t=False: _intra_stand_in))
     monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
         calls, "state_output_kernel",
-        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False: _state_stand_in(has_h0, store_ht, store_states)))
+        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True:
+        _state_stand_in(has_h0, store_ht, store_states, emit_output)))
 
 
 def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) -> None:
@@ -695,8 +709,8 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", lambda H, HV, dt, emit_t=False: _intra_stand_in)
-    monkeypatch.setattr(fwd, "state_output_kernel", lambda H, HV, dt, has_h0, store_ht, bv, store_states=False: _state_stand_in(has_h0, store_ht, store_states))
+    calls = []
+    _stand_in_forward_kernels(monkeypatch, fwd, calls)
 
     gen = torch.Generator().manual_seed(2)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -720,9 +734,10 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     assert o.shape == v.shape and o.dtype == v.dtype and ht.shape == h0.shape and ht.dtype == torch.float32
     assert not o.isnan().any() and not ht.isnan().any()
     if case == "no-tokens":
-        assert o.abs().max() == 0 and torch.equal(ht, h0)
+        assert o.abs().max() == 0 and torch.equal(ht, h0) and not calls   # nothing launched
     else:
         assert _rel(o, ref_o) < 2e-3 and _rel(ht, ref_ht) < 1e-3
+        _assert_in_family(calls, H, HV, "float16", training=False)
     if lengths is not None:
         assert o[:, sum(lengths):].abs().max() == 0
 

@@ -141,11 +141,14 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
-                        block_v: int, store_states: bool = False):
-    """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128."""
+                        block_v: int, store_states: bool = False, emit_output: bool = True):
+    """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128 (which always
+    writes O)."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states)
+                         block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
+                         emit_output=emit_output)
+    assert emit_output, "the pipelined state pass always writes O"
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
 
@@ -167,15 +170,21 @@ class StateLaunch:
 
 
 def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs) -> None:
-    """One state pass: writes O into o, the final states into ht (if given), S0 per chunk into hs (if given)."""
+    """One state pass: writes O into o, the final states into ht, S0 per chunk into hs, each if given. Without
+    o (the backward's recompute of S0) the three-warpgroup kernel skips the output's loads and products."""
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
     dev = k.device
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
+    stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)               # a tensor argument never touched
+    block_v = _plan_block_v(launch.n, HV, dev)
+    emit = o is not None or block_v not in WS_BLOCK_V
+    if o is None and emit:
+        o = torch.empty_like(v)
     kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
-                                 _plan_block_v(launch.n, HV, dev), hs is not None)
+                                 block_v, hs is not None, emit)
     kernel(q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
-           placeholder if launch.init is None else launch.init, o, placeholder if ht is None else ht,
-           float(problem.scale), torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype) if hs is None else hs)
+           placeholder if launch.init is None else launch.init, o if emit else stub,
+           placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
 
 
 @dataclasses.dataclass
@@ -295,10 +304,10 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
 
 def entering_states(problem: Problem, s: Saved) -> torch.Tensor:
     """Every chunk's entering state S0 [num_chunks, HV, K, V] in the inputs' dtype: the forward's if it kept them
-    (KEEP_STATES), else from the forward's state pass run again (same launch, same bits; its O is discarded)."""
+    (KEEP_STATES), else from the forward's state pass run again (same launch, same bits, no output)."""
     if s.hs is not None:
         return s.hs
     HV, K, V = problem.HV, problem.K, problem.V
     hs = torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
-    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, torch.empty_like(s.v), None, hs)
+    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs)
     return hs

@@ -5,6 +5,7 @@
                                    S -> bf16 S -> K S -> X = V - diag(Gamma) K S -> U = Tb X
                                    -> S' = Gamma_C S + K^T diag(Gamma_C / Gamma) U
     output    (threads 256-383)  O = scale ( diag(Gamma) Q S + (Q K^T (.) D_incl) U ), stored
+                                 (emit_output=False: only each chunk's S0, stored to hs)
 
 U = Tb (V - diag(Gamma) K S) is the chunk's new values: with Tb = T diag(beta) from intra_chunk.py it equals
 U' - W S (U' = Tb V, W = Tb diag(Gamma) K), so W and U' never go through global memory. A chunk costs one
@@ -44,15 +45,18 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, stages: int = 3,
-                         store_states: bool = False, K: int = 128, V: int = 128):
+                         store_states: bool = False, emit_output: bool = True, K: int = 128, V: int = 128):
     """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
     V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
-    is a 1-element placeholder the kernel never touches."""
+    is a 1-element placeholder the kernel never touches.
+    emit_output=False (the backward's recompute of S0, with store_states): no O, so no Q loads, no U hand-over
+    and no output products; the third warpgroup only stores S0, and `o` is a 1-element placeholder."""
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
+    assert emit_output or store_states, "a pass that writes neither O nor S0"
     SLOTS = 2                                          # S/U hand-over slots
     PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
@@ -63,6 +67,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
     HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
+    O_SHAPE = (1, num_tokens, HV, V) if emit_output else (1, 1, 1, 1)
 
     @T.prim_func
     def gdn_state_output_ws(
@@ -74,7 +79,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         h0: T.Tensor((num_h0, HV, K, V), accum),
-        o: T.Tensor((1, num_tokens, HV, V), dtype),
+        o: T.Tensor(O_SHAPE, dtype),
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
         hs: T.Tensor(HS_SHAPE, dtype),
@@ -85,32 +90,37 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
 
             # stage tiles (TMA destinations)
-            q_s = T.alloc_shared((stages, C, K), dtype)
+            if emit_output:
+                q_s = T.alloc_shared((stages, C, K), dtype)
             k_s = T.alloc_shared((stages, C, K), dtype)
             a_s = T.alloc_shared((stages, C, C), dtype)
             v_s = T.alloc_shared((stages, C, BV), dtype)
             g_s = T.alloc_shared((stages, C), accum)
             # state -> output hand-over
             s_s = T.alloc_shared((SLOTS, K, BV), dtype)
-            u_s = T.alloc_shared((SLOTS, C, BV), dtype)
-            # private to one role
-            x_s = T.alloc_shared((C, BV), dtype)      # state: X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
-            o_s = T.alloc_shared((C, BV), dtype)      # output: O of a full chunk, the source of its TMA store
+            if emit_output:
+                u_s = T.alloc_shared((SLOTS, C, BV), dtype)
+                o_s = T.alloc_shared((C, BV), dtype)  # output: O of a full chunk, the source of its TMA store
+            # private to the state role
+            x_s = T.alloc_shared((C, BV), dtype)      # X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
 
             S = T.alloc_fragment((K, BV), accum)
             x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
-            acc_o = T.alloc_fragment((C, BV), accum)
-            qk = T.alloc_fragment((C, C), accum)
-            p = T.alloc_fragment((C, C), dtype)       # Q K^T (.) D_incl in bf16: the register operand of P U
+            if emit_output:
+                acc_o = T.alloc_fragment((C, BV), accum)
+                qk = T.alloc_fragment((C, C), accum)
+                p = T.alloc_fragment((C, C), dtype)   # Q K^T (.) D_incl in bf16: the register operand of P U
             # per-row decays, one exp per row instead of one per element (a thread holds 2 rows of a 64-row
             # accumulator, so the element-wise form spent 32 exps per thread where 2 do)
             e_x = T.alloc_fragment((C,), accum)       # state: Gamma, the rows of K S
             e_u = T.alloc_fragment((C,), accum)       # state: Gamma_C / Gamma, the rows of U
-            e_o = T.alloc_fragment((C,), accum)       # output: Gamma, the rows of Q S
+            if emit_output:
+                e_o = T.alloc_fragment((C,), accum)   # output: Gamma, the rows of Q S
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=[128] * stages)
-            freed = T.alloc_barrier(arrive_count=[256] * stages)
+            # the stage's readers: the state warpgroup, and the output warpgroup where there is output
+            freed = T.alloc_barrier(arrive_count=[256 if emit_output else 128] * stages)
             su_ready = T.alloc_barrier(arrive_count=[128] * SLOTS)
             su_free = T.alloc_barrier(arrive_count=[128] * SLOTS)
 
@@ -122,7 +132,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     s = i % stages
                     T.barrier_wait(freed[s], ((i // stages) % 2) ^ 1)
                     t0 = bos + i * C
-                    T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
+                    if emit_output:
+                        T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(v[0, t0:t0 + C, hv, v0:v0 + BV], v_s[s, :, :], barrier=loaded[s])
@@ -157,7 +168,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, BV):
                         x[r, j] = T.if_then_else(r < n_valid, x[r, j], 0.0)
-                    T.copy(x, u_s[h, :, :])
+                    if emit_output:
+                        T.copy(x, u_s[h, :, :])
                     for r, j in T.Parallel(C, BV):
                         x_s[r, j] = x[r, j] * e_u[r]
                     T.fence_proxy_async()
@@ -169,6 +181,14 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.barrier_arrive(freed[s])
                 if store_final_state:
                     T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
+            elif not emit_output:
+                # ---- S0 only (the backward's recompute): the hand-over tile to hs ----
+                T.set_max_nreg(CONSUMER_REGS, 1)
+                for i in T.serial(n_chunks):
+                    h = i % SLOTS
+                    T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
+                    T.copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])
+                    T.barrier_arrive(su_free[h])
             else:
                 # ---- output ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
