@@ -57,7 +57,7 @@ TARGET_SM_FRACTION = 0.7
 # Training: the backward needs every chunk's entering state S0. Kept from the forward (KEEP_STATES), it is 512
 # bytes per token and value head in bf16 (16/32 1x32768: 537 MB per layer, alive from a layer's forward to its
 # backward, about what FLA keeps of everything else); by default the backward recomputes it with one more state
-# pass (the forward's launch, its O discarded: ~0.6 ms there, H200 session 6), as FLA and FlashQLA do.
+# pass (the forward's launch, built without output: ~0.5-0.6 ms there, H200 session 6), as FLA and FlashQLA do.
 KEEP_STATES = os.environ.get("GDNKIT_SM90_KEEP_STATES", "0") == "1"
 
 
@@ -78,7 +78,7 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
-def _warmup_states(plan, seg: int, q, k, a, v, gamma, g, beta, h0, problem: Problem):
+def _warmup_states(plan, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem):
     """The segments' initial states [n_seg, HV, K, V] by warm-up (warmup.py), or None where a warm-up would
     take more than warmup.reach(seg) chunks, or while a CUDA graph is being captured (it reads m back)."""
     if not context_parallel.WARMUP_ROUTE or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -265,7 +265,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             # (warmup.py), else exactly (propagator + segment scan) where that pays; then the output pass
             # over segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            s0 = _warmup_states(plan, seg, q, k, a, v, gamma, g, beta, h0, problem)
+            s0 = _warmup_states(plan, seg, k, a, v, gamma, g, beta, h0, problem)
             route = "warmup" if s0 is not None else None
             if s0 is None and context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev)):
                 aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
