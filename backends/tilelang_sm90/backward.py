@@ -1,9 +1,11 @@
-"""The sm90 chunked backward (issue 6, BACKWARD.md): two TileLang launches after a training forward.
+"""The sm90 chunked backward (issue 6, BACKWARD.md): three TileLang launches after a training forward.
 
+    state_output_ws.py every chunk's entering state S0: the forward's state pass again, built without output
+                       (forward.entering_states; kept from the forward instead with forward.KEEP_STATES)
     backward_state.py  per (sequence, value head, V tile), chunks right to left: dS on chip; stores every
                        chunk's dS_end (dh), dU, dX (= dV) and dh0
-    chunk_grads.py     per (chunk, value head), in parallel: dq, dk (per value head), dg, dbeta from S0 (the
-                       forward's state pass run again, or kept: forward.entering_states), dS_end, dU and dX
+    chunk_grads.py     per (chunk, value head), in parallel: dq, dk (per value head), dg, dbeta from S0,
+                       dS_end, dU and dX
 
 then GVA's sum of dq / dk over the value heads of each q/k head (a fixed order: bitwise repeatable; no float
 atomics anywhere), and the options' prologue undone (gdnkit.prologue). backends/reference/chunked_backward.py
