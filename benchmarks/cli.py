@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import sys
 import time
@@ -20,6 +21,7 @@ import torch
 from . import grids, report, timing
 from .grids import PASSES
 from .impls import environment_versions, gpu_name, gpu_slug, resolve
+from .inputs import GATES, GATES_ENV, gates_kind
 from .warm import warm
 from .runner import RunConfig, find_cached, merge_rows, run_grid
 
@@ -70,16 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="rewrite results.md/speedup.png from latest.json")
     p.add_argument("--json", action="store_true", help="print this run's rows as JSON on stdout at the end")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--gates", choices=GATES, default=None,
+                   help="random: g = logsigmoid(randn) (FlashQLA's and FINDINGS' inputs, the default); model: "
+                        "gates drawn as a Qwen3-Next layer's at initialisation (slow heads decay ~1e-3 a token). "
+                        "Model-gate rows go to their own folder (<gpu>-model-gates) unless --out says otherwise")
     return p
 
 
 def default_out_dir(device: torch.device) -> Path:
-    return RESULTS_DIR / gpu_slug(gpu_name(device))
+    suffix = "" if gates_kind() == "random" else f"-{gates_kind()}-gates"
+    return RESULTS_DIR / (gpu_slug(gpu_name(device)) + suffix)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.gates:  # the environment carries it to the compile workers too
+        os.environ[GATES_ENV] = args.gates
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir = Path(args.out) if args.out else default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,13 +2,18 @@
 
 bf16 q/k/v with K = V = 128; q and k L2-normalised before the call (not in the kernel); g =
 logsigmoid(randn) and beta = sigmoid(rand), both fp32; sequences packed along T with cu_seqlens
-(B = 1). Decode: B sequences of one new token each, a random fp32 state, output_final_state=True.
+(B = 1). GDNKIT_BENCH_GATES=model (`bench --gates model`) draws g as a Qwen3-Next-style layer does at
+initialisation instead: per value head A ~ U(0, 16) and dt ~ logU(1e-3, 0.1) (dt_bias its inverse
+softplus), g = -A softplus(a + dt_bias) with a ~ N(0, 1) per token. Its slowest heads decay ~1e-3 a token
+where logsigmoid(randn) decays ~0.8, which decides how context parallelism can start its segments. Decode: B sequences of one new token each, a random fp32 state, output_final_state=True.
 Every tensor is random (never zeros: zeros hide unwritten outputs and can run faster than real data)
 and drawn from a generator seeded by the grid point, so every implementation sees the same inputs.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import zlib
 
 import torch
@@ -19,6 +24,29 @@ from .grids import Point
 DTYPE = torch.bfloat16
 GATE_DTYPE = torch.float32
 STATE_DTYPE = torch.float32
+GATES_ENV = "GDNKIT_BENCH_GATES"
+GATES = ("random", "model")
+
+
+def gates_kind() -> str:
+    """The gate distribution of this process's inputs (read from the environment, so worker processes
+    spawned for compiling draw the same inputs as the timing process)."""
+    kind = os.environ.get(GATES_ENV, "random")
+    if kind not in GATES:
+        raise ValueError(f"{GATES_ENV}={kind!r}: choose from {', '.join(GATES)}")
+    return kind
+
+
+def _gates(shape: tuple, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """g [..., HV] in fp32, per gates_kind()."""
+    if gates_kind() == "random":
+        return F.logsigmoid(torch.randn(*shape, generator=gen, device=device))
+    HV = shape[-1]
+    A = torch.rand(HV, generator=gen, device=device) * 16
+    dt = torch.exp(torch.rand(HV, generator=gen, device=device) * math.log(100.0) + math.log(1e-3))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    a = torch.randn(*shape, generator=gen, device=device)
+    return -A * F.softplus(a + dt_bias)
 
 
 @dataclasses.dataclass
@@ -75,7 +103,7 @@ def make_chunk_inputs(H: int, HV: int, seqlens, K: int, V: int, device, seed: in
     q = F.normalize(randn(1, T, H, K), p=2, dim=-1).to(DTYPE)
     k = F.normalize(randn(1, T, H, K), p=2, dim=-1).to(DTYPE)
     v = randn(1, T, HV, V).to(DTYPE)
-    g = F.logsigmoid(randn(1, T, HV)).to(GATE_DTYPE)
+    g = _gates((1, T, HV), gen, device).to(GATE_DTYPE)
     beta = torch.sigmoid(torch.rand(1, T, HV, generator=gen, device=device)).to(GATE_DTYPE)
     h0 = randn(N, HV, K, V).to(STATE_DTYPE) if initial_state else None
     do = randn(1, T, HV, V).to(DTYPE) if with_do else None
@@ -95,7 +123,7 @@ def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: in
     q = F.normalize(randn(B, 1, H, K), p=2, dim=-1).to(DTYPE)
     k = F.normalize(randn(B, 1, H, K), p=2, dim=-1).to(DTYPE)
     v = randn(B, 1, HV, V).to(DTYPE)
-    g = F.logsigmoid(randn(B, 1, HV)).to(GATE_DTYPE)
+    g = _gates((B, 1, HV), gen, device).to(GATE_DTYPE)
     beta = torch.sigmoid(torch.rand(B, 1, HV, generator=gen, device=device)).to(GATE_DTYPE)
     h0 = randn(B, HV, K, V).to(STATE_DTYPE)
     return ChunkInputs(q, k, v, g, beta, None, h0, None)

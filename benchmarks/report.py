@@ -159,13 +159,21 @@ def first_call_table(details: dict) -> list[str]:
     return out + [""]
 
 
+def _gates_text(rows: list[dict]) -> str:
+    kinds = {r.get("gates", "random") for r in rows}
+    text = {"random": "logsigmoid(randn)",
+            "model": "-A softplus(a + dt_bias) as a Qwen3-Next layer at initialisation (A ~ U(0, 16), dt ~ "
+                     "logU(1e-3, 0.1) per head, a ~ N(0, 1))"}
+    return " / ".join(text[k] for k in sorted(kinds)) or text["random"]
+
+
 def markdown(rows: list[dict], details: dict) -> str:
     rows = sort_rows(rows)
     gpus = sorted({r["gpu"] for r in rows})
     out = [f"# gdnkit benchmarks on {', '.join(gpus) or '(no rows)'}", ""]
     out += ["Kernel time per call in ms: CUDA-graph replay where the call can be captured, else the "
             "per-call sum of device time from torch.profiler; median of >= 20 after warm-up. "
-            "bf16 q/k/v, K = V = 128, L2-normalised q/k, fp32 g = logsigmoid(randn), beta = "
+            f"bf16 q/k/v, K = V = 128, L2-normalised q/k, fp32 g = {_gates_text(rows)}, beta = "
             "sigmoid(rand), packed with cu_seqlens. \"X vs FLA\" is FLA's time over X's (above 1: X "
             "is faster). `*`: anchor figure reused from an earlier run (anchor_same_run = false). "
             "Backward is (forward+backward) - forward, both with autograd on. Decode bandwidth counts "

@@ -17,7 +17,7 @@ from gdnkit.benchmarks.grids import Grid, Point
 ROW_TYPES = {"pass": str, "H": int, "HV": int, "seqlens": str, "B": (int, type(None)), "impl": str,
              "kernel_ms": float, "eager_ms": (float, type(None)), "peak_mem_bytes": (int, type(None)),
              "rel_err_vs_ref": (float, type(None)), "anchor_same_run": bool, "gpu": str, "date": str,
-             "versions": dict}
+             "versions": dict, "gates": str}
 
 
 def check_row(row: dict) -> None:
@@ -117,6 +117,24 @@ def test_inputs_follow_the_anchor_recipe():
     assert d.initial_state.shape == (3, 4, 16, 8) and d.initial_state.dtype == torch.float32
     bw = inputs.make_point_inputs(Point("bwd", 1, 2, (7,), K=8, V=8), "cpu")
     assert bw.do is not None and bw.do.shape == bw.v.shape
+
+
+def test_gates_random_keep_the_recipe_and_model_gates_decay_slowly(monkeypatch):
+    p = Point("fwd", 1, 16, (2048,), K=8, V=8)
+    a = inputs.make_point_inputs(p, "cpu")
+    gen = torch.Generator().manual_seed(inputs.seed_for(p, "set0"))
+    for shape in ((1, 2048, 1, 8), (1, 2048, 1, 8), (1, 2048, 16, 8)):   # q, k, v drawn first
+        torch.randn(*shape, generator=gen)
+    assert torch.equal(a.g, torch.nn.functional.logsigmoid(torch.randn(1, 2048, 16, generator=gen)))
+    monkeypatch.setenv(inputs.GATES_ENV, "model")
+    m = inputs.make_point_inputs(p, "cpu")
+    assert torch.equal(m.q, a.q) and torch.isfinite(m.g).all() and (m.g <= 0).all()
+    rate = -m.g[0].mean(0)                       # per value head, per token
+    assert rate.min() < 0.02 and rate.max() > 0.1 and -a.g.mean() > 0.5
+    assert cli.default_out_dir(torch.device("cpu")).name == "cpu-model-gates"
+    monkeypatch.setenv(inputs.GATES_ENV, "uniform")
+    with pytest.raises(ValueError, match="GDNKIT_BENCH_GATES"):
+        inputs.make_point_inputs(p, "cpu")
 
 
 # -- timing --------------------------------------------------------------------------------------
@@ -237,6 +255,11 @@ def test_cached_anchor_rows_are_reused_and_marked(monkeypatch):
     assert sum("[cache-miss]" in line for line in logs) == 2
     assert runner.find_cached([cached], point, fla, "cpu", versions) is cached
     assert runner.find_cached([cached], point, fla, "NVIDIA H200", versions) is None
+    # a row measured on other gates never stands in (rows from before the field existed are random gates)
+    assert runner.find_cached([dict(cached, gates="model")], point, fla, "cpu", versions) is None
+    monkeypatch.setenv(inputs.GATES_ENV, "model")
+    assert runner.find_cached([cached], point, fla, "cpu", versions) is None
+    assert runner.find_cached([dict(cached, gates="model")], point, fla, "cpu", versions) is not None
 
 
 def test_warm_up_skips_what_cached_anchor_rows_answer():
