@@ -94,31 +94,21 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> tuple[
 def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> torch.Tensor:
     """dS_end of every segment [n_seg, HV, K, V] fp32: a sequence's last segment gets dht (or 0); the others
     the reverse pass run from 0 (from dht where it reaches the sequence's end) over their warm-up chunks."""
-    t = plan.warmup
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev = do.device
-    ds_end = torch.zeros(len(m), HV, K, V, device=dev, dtype=torch.float32)
-    if dht is not None:
-        lasts = [j for j, mj in enumerate(m) if mj == 0]
-        ds_end[lasts] = dht[[t.seq_of[j] for j in lasts]]
-    w = warmup.launch(t, m, dev, reverse=True)
-    if w.segments:
-        init = torch.zeros(len(w.segments), HV, K, V, device=dev, dtype=torch.float32)
-        if dht is not None and any(w.exact):
-            exact = [i for i, e in enumerate(w.exact) if e]
-            init[exact] = dht[[t.seq_of[w.segments[i]] for i in exact]]
+
+    def run(w, init):
         qw, kw, aw, dow = s.q[:, w.tokens], s.k[:, w.tokens], s.a[:, w.tokens], do[:, w.tokens]
-        gw = s.gamma[:, w.chunk_rows].contiguous()
-        n_tok, n_ch = w.tokens.numel(), w.chunk_rows.numel()
-        scratch = [torch.empty(1, n_tok, HV, V, device=dev, dtype=s.v.dtype) for _ in range(2)]
-        dh_w = torch.empty(n_ch, HV, K, V, device=dev, dtype=s.v.dtype)
+        scratch = [torch.empty(1, w.tokens.numel(), HV, V, device=dev, dtype=s.v.dtype) for _ in range(2)]
+        dh_w = torch.empty(w.chunk_rows.numel(), HV, K, V, device=dev, dtype=s.v.dtype)
         states = torch.empty_like(init)
         kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
                                        _plan_block_v(len(w.segments), HV, dev))
-        kernel(qw, kw, aw, dow, gw, w.cu_seqlens, w.chunk_offsets, init, *scratch, dh_w, states,
-               float(problem.scale))
-        ds_end[list(w.segments)] = states
-    return ds_end
+        kernel(qw, kw, aw, dow, s.gamma[:, w.chunk_rows].contiguous(), w.cu_seqlens, w.chunk_offsets, init,
+               *scratch, dh_w, states, float(problem.scale))
+        return states
+
+    return warmup.warmed_states(plan.warmup, m, dht, (HV, K, V), dev, run, reverse=True)
 
 
 def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:

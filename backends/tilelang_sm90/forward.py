@@ -89,25 +89,16 @@ def _warmup_states(plan, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem
     if max(m) > limit:
         return None
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-    dev = k.device
-    s0 = torch.zeros(len(m), HV, K, V, device=dev, dtype=torch.float32)
-    if h0 is not None:  # a sequence's first segment, and warm-ups that reach their sequence's start
-        firsts = [j for j, mj in enumerate(m) if mj == 0]
-        s0[firsts] = h0[[t.seq_of[j] for j in firsts]]
-    w = warmup.launch(t, m, dev)
-    if w.segments:
-        init = torch.zeros(len(w.segments), HV, K, V, device=dev, dtype=torch.float32)
-        if h0 is not None and any(w.exact):
-            exact = [i for i, e in enumerate(w.exact) if e]
-            init[exact] = h0[[t.seq_of[w.segments[i]] for i in exact]]
-        kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
-        gw = gamma[:, w.chunk_rows].contiguous()
-        states = torch.empty_like(init)
+
+    def run(w, init):
         # the warm-up tokens' O is not used (k stands in for q); their final states are the segments' S0
+        kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
+        states = torch.empty_like(init)
         _state_pass(StateLaunch(w.cu_seqlens, w.chunk_offsets, init, len(w.segments)), problem, kw, kw, aw, vw,
-                    gw, torch.empty_like(vw), states, None)
-        s0[list(w.segments)] = states
-    return s0
+                    gamma[:, w.chunk_rows].contiguous(), torch.empty_like(vw), states, None)
+        return states
+
+    return warmup.warmed_states(t, m, h0, (HV, K, V), k.device, run)
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:

@@ -150,3 +150,25 @@ def launch(t: WarmupTables, m: list[int], device: torch.device, reverse: bool = 
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
     avail = t.after_host if reverse else t.before_host
     return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co), tuple(m[j] == avail[j] for j in segs))
+
+
+def warmed_states(t: WarmupTables, m: list[int], boundary: torch.Tensor | None, shape: tuple[int, int, int],
+                   device: torch.device, run, reverse: bool = False) -> torch.Tensor:
+    """Every segment's state at its warm-up end [n_seg, HV, K, V] fp32 -- the forward's initial states (the
+    backward's dS_end with reverse): a sequence's first (last) segment gets the sequence's boundary state
+    (h0; dht with reverse; zero where None); the others `run(launch, init)` over their warm-up chunks, from
+    zero, or from the boundary state where the warm-up reaches the sequence's start (end)."""
+    out = torch.zeros(len(m), *shape, device=device, dtype=torch.float32)
+    of_sequences = lambda js: boundary[[t.seq_of[j] for j in js]]  # noqa: E731
+    if boundary is not None:
+        ends = [j for j, mj in enumerate(m) if mj == 0]
+        out[ends] = of_sequences(ends)
+    w = launch(t, m, device, reverse)
+    if w.segments:
+        init = torch.zeros(len(w.segments), *shape, device=device, dtype=torch.float32)
+        if boundary is not None and any(w.exact):
+            exact = [i for i, e in enumerate(w.exact) if e]
+            init[exact] = of_sequences([w.segments[i] for i in exact])
+        out[list(w.segments)] = run(w, init)
+    return out
+
