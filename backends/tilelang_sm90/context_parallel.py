@@ -7,7 +7,7 @@ state (ALGORITHM.md section 4), found by one of two routes:
 
     warm-up (warmup.py): where the gates decay, a few chunks before each segment run from a zero state give
         its initial state within e^-12 of the state's size (exact where they reach the sequence's start);
-        a gather and one short launch of the state kernel. Taken when every warm-up fits in a segment.
+        a gather and one short launch of the state kernel. Taken when every warm-up fits in half a segment.
     exact: every segment's transition S_end = P S_0 + E as [E | P] (TileLang, propagator.py), then a scan
         over each sequence's segments (triton_generic's segment scan, ~0.02 ms at 2/8 1x32768). It costs
         ~1.3 output passes, so it is taken only where it pays (exact_route_pays); elsewhere a failed warm-up
@@ -43,7 +43,8 @@ SMS_PER_PROGRAM = 2
 # The warm-up route (warmup.py) costs a gather and a short launch instead of ~1.3 output passes, so segments
 # pay with fewer idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence);
 # below SMS_PER_PROGRAM the exact route does not pay, so there a failed warm-up means no segments at all.
-# Not yet measured (session 5 prediction, JOURNAL.md).
+# H200 session 6 (eager device work): 8/32 1x32768 1.079 ms by warm-up against 1.056 without segments, before
+# the warm-up lengths read a 4-chunk window first (JOURNAL.md); not re-measured since.
 WARMUP_SMS_PER_PROGRAM = 1
 # False: always the exact route (tests of the propagator path)
 WARMUP_ROUTE = True
