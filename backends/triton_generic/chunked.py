@@ -14,10 +14,8 @@ import functools
 import torch
 import triton
 
-from gdnkit import seqlayout
+from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
-
-from gdnkit import prologue
 
 from . import context_parallel
 from ._common import CHUNK, dot_precision
