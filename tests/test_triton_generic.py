@@ -153,8 +153,15 @@ def test_k_and_v_differ_and_gva_fixed():
     check(make_call(100, 1, 4, 64, 32), fuse="never")
 
 
-def test_narrow_v_blocks_when_few_programs():
-    # a huge SM count makes the plan split V into 16-wide blocks and leave the output unfused
+@pytest.mark.parametrize("narrowest", [16, 32])
+def test_narrow_v_blocks_when_few_programs(narrowest, monkeypatch):
+    # a huge SM count makes the plan split V into the narrowest blocks allowed and leave the output unfused
+    from gdnkit.backends.triton_generic import chunked
+    monkeypatch.setattr(chunked, "MIN_BLOCK_V", narrowest)
+    problem, _ = validate_inputs(CHUNK_MODE, **make_call(100, 1, 2, 32, 64, B=1))
+    monkeypatch.setattr(chunked, "SM_COUNT", 10 ** 6)
+    p = chunked.plan(problem, None, torch.device("cpu"))
+    assert (p.block_v, p.fuse_output, p.segments) == (narrowest, False, None)
     check(make_call(100, 1, 2, 32, 64, B=1), sm_count=10 ** 6)
 
 
@@ -239,6 +246,7 @@ def test_backward_as_at_the_h200_bench_point(monkeypatch):
                 if n in leaves else t) for n, t in call.items()}
     problem, inputs = validate_inputs(CHUNK_MODE, **cast)
     monkeypatch.setattr(chunked, "SM_COUNT", 8)
+    monkeypatch.setattr(chunked, "CP_MAX_SM_SHARE", 0.5)  # the rule of that day
     p = chunked.plan(problem, inputs.cu_seqlens, inputs.q.device)
     assert p.fuse_output and p.block_v == 64 and p.segments.n_seg == 2
     assert chunked.plan(problem, inputs.cu_seqlens, inputs.q.device, fusable=False).block_v == 64
@@ -288,6 +296,21 @@ def test_reasons():
     assert any("triton" in r for r in BACKEND.reasons(_problem(), _machine(triton=False)))
     assert any("GPU" in r for r in BACKEND.unavailable_reasons(dispatch.Machine(packages={"triton": "3.9"})))
 
+
+
+def test_launch_settings_table_and_override(monkeypatch):
+    from gdnkit.backends.triton_generic import launch
+    monkeypatch.delenv("GDNKIT_TRITON_LAUNCH", raising=False)
+    assert launch.settings("fused", torch.bfloat16) == {"num_warps": 4, "num_stages": 3}
+    assert launch.settings("fused", torch.float32) == {"num_warps": 8, "num_stages": 1}  # Ada's shared memory
+    monkeypatch.setenv("GDNKIT_TRITON_LAUNCH", "output=4x2, fused=2x1")
+    assert launch.settings("output", torch.float16) == {"num_warps": 4, "num_stages": 2}
+    assert launch.settings("fused", torch.float32) == {"num_warps": 2, "num_stages": 1}
+    assert launch.settings("kkt", torch.bfloat16) == {"num_warps": 4, "num_stages": 2}
+    for bad in ("outptu=4x2", "output=4", "output=ax2"):
+        monkeypatch.setenv("GDNKIT_TRITON_LAUNCH", bad)
+        with pytest.raises(ValueError, match="GDNKIT_TRITON_LAUNCH"):
+            launch.settings("output", torch.bfloat16)
 
 # ---------------------------------------------------------------- on a GPU, through the public API
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
+from .launch import settings
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64
@@ -109,5 +110,5 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     backward_chunk_kernel[(NK, grid_t, B * HV)](
         q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
-        num_warps=8, num_stages=1)  # 1 stage: 184 bytes of spills per thread against 216 at the default 3
+        **settings("backward_chunk", q.dtype))
     return dq, dk, dw, dgp

@@ -15,6 +15,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
+from .launch import settings
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -104,12 +105,12 @@ def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
     du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=torch.float32)
     local_du_kernel[(triton.cdiv(V, BV), grid_t, B * HV)](
         q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype), num_warps=8)
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype), **settings("local_du", q.dtype))
     return du
 
 
 def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
-                   want_dh0, BV, num_warps=4, num_stages=2, store=True):
+                   want_dh0, BV, store=True):
     """Returns (dh [n_chunks, HV, K, V] = dS_end per chunk, dU [B,T,HV,V] fp32, dh0 or None).
 
     du holds local_du's chunk-local part and receives the full dU in place; store=False computes only
@@ -124,5 +125,5 @@ def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_of
         q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None,
         STORE_DH0=want_dh0, STATE_V_FIRST=state_v_first, STORE_DH=store, PREC=dot_precision(k.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        **settings("reverse", k.dtype))
     return dh, du, dh0

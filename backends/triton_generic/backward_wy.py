@@ -13,6 +13,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
+from .launch import settings
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64
@@ -113,5 +114,5 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     backward_wy_kernel[(grid_t, B * HV)](
         k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,
-        PREC=dot_precision(k.dtype), num_warps=8)
+        PREC=dot_precision(k.dtype), **settings("backward_wy", k.dtype))
     return dk, dv, dbeta, dg

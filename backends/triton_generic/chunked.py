@@ -72,18 +72,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Launch settings of the sequential passes (warps, software-pipeline stages), for tuning from benchmarks.
-# 8 warps and 1 stage were picked from sm90 register use under an older Triton. Under Triton 3.6, 4 warps and
-# 2 stages at BV = 32 compile spill-free too (unfused 117 registers, fused 194, ~82 / ~111 KB of shared
-# memory), and at 1 stage no load is issued ahead: each chunk waits on memory twice (FLA's fwd_h, autotuned
-# over 2-4 stages, ran 0.80 ms against our 1.75 at 16/64 1x32768; session 6 notes). To be swept on a GPU
-# (scratch/tri_stage_sweep.py); fp32's tiles need 1 stage under Ada's ~99 KB a block.
-STATE_WARPS, STATE_STAGES = 8, 1       # state pass alone (and the propagator pass)
-FUSED_WARPS, FUSED_STAGES = 8, 1       # state pass with the output fused in
-REVERSE_WARPS, REVERSE_STAGES = 8, 1   # the backward's reverse pass
 # Context parallelism: None = decide from the SM count, 0 = off, n = segments of n chunks (tests).
 CP_SEGMENT_CHUNKS = None
 CP_MIN_SEGMENT_CHUNKS = 8
+# Context parallelism only while the sequential passes' programs (at the widest V block) cover at most this
+# share of the SMs; V blocks narrow to no less than MIN_BLOCK_V while programs are fewer than SMs.
+CP_MAX_SM_SHARE = 0.25
+MIN_BLOCK_V = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +102,7 @@ def _segment_chunks(problem: Problem, cu_seqlens, device: torch.device, sms: int
         return CP_SEGMENT_CHUNKS or None
     programs = problem.N * problem.HV * triton.cdiv(problem.V, _widest(problem.K, problem.V))
     # the segment scan holds P [K, K] in fp32 on chip: fine to K = 128, too big at 256
-    if sms == 0 or 2 * programs > sms or problem.K > 128:
+    if sms == 0 or programs > CP_MAX_SM_SHARE * sms or problem.K > 128:
         return None
     longest = max(triton.cdiv(n, CHUNK) for n in _layout(problem, cu_seqlens, device).lengths)
     per_sequence = triton.cdiv(2 * sms, programs)
@@ -139,7 +134,7 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
         # fp32 tiles double the shared memory: 16-wide blocks stay under Ada's ~99 KB per block
         bv = 16
     if not fuse:
-        while bv > 16 and programs(bv) < sms:
+        while bv > MIN_BLOCK_V and programs(bv) < sms:
             bv //= 2
     return Plan(fuse, bv, segments)
 
@@ -147,9 +142,7 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
 def _states(problem: Problem, p: Plan, q, k, w, u, gcum, h0, T, cu, index: Index, store: bool, want_ht: bool):
     """The forward's sequential part. Returns (o if fused, h, U, final state, [E | P] per segment or None)."""
     K, V, N, HV = problem.K, problem.V, problem.N, problem.HV
-    warps, stages = (FUSED_WARPS, FUSED_STAGES) if p.fuse_output else (STATE_WARPS, STATE_STAGES)
-    flags = dict(fuse_output=p.fuse_output, store_h=store, store_vnew=store, BV=p.block_v, num_warps=warps,
-                 num_stages=stages)
+    flags = dict(fuse_output=p.fuse_output, store_h=store, store_vnew=store, BV=p.block_v)
     if p.segments is None:
         o, h, vnew, ht = state_pass(q, k, w, u, gcum, problem.scale, h0, T, N, cu, index.chunk_offsets,
                                     index.n_chunks, problem.state_v_first, want_ht, **flags)
@@ -158,7 +151,7 @@ def _states(problem: Problem, p: Plan, q, k, w, u, gcum, h0, T, cu, index: Index
     aug_bv = 16 if k.dtype == torch.float32 else _widest(K, V + K)
     aug = state_pass(q, k, w, u, gcum, problem.scale, None, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
                      index.n_chunks, False, False, fuse_output=False, store_h=False, store_vnew=False,
-                     BV=aug_bv, num_warps=STATE_WARPS, num_stages=STATE_STAGES, propagator=True)[3]
+                     BV=aug_bv, propagator=True)[3]
     s0, ht = context_parallel.segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, problem.state_v_first, want_ht,
                                            dot_precision(k.dtype))
     o, h, vnew, _ = state_pass(q, k, w, u, gcum, problem.scale, s0, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
@@ -221,21 +214,21 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         p = plan(problem, cu, v.device, fusable=False)
         _, h, vnew, _, aug = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=True, want_ht=False)
         del u
-        flags = dict(BV=p.block_v, num_warps=REVERSE_WARPS, num_stages=REVERSE_STAGES)
         du = local_du(q, k, gcum, do, problem.scale, T, index.grid_t, cu, index.chunk_indices)
         if p.segments is None:
             dh, du, dh0 = backward_state(q, k, w, gcum, do, du, dht, problem.scale, T, N, cu, index.chunk_offsets,
-                                         index.n_chunks, problem.state_v_first, problem.has_initial_state, **flags)
+                                         index.n_chunks, problem.state_v_first, problem.has_initial_state,
+                                         BV=p.block_v)
         else:
             # the reverse pass in segments: dS0 = P^T dS_end + F per segment, F from a zero dS_end
             sg = p.segments
             _, _, f = backward_state(q, k, w, gcum, do, du, None, problem.scale, T, sg.n_seg, sg.cu_seqlens,
-                                     sg.chunk_offsets, index.n_chunks, False, True, store=False, **flags)
+                                     sg.chunk_offsets, index.n_chunks, False, True, store=False, BV=p.block_v)
             ds_end, dh0 = context_parallel.segment_scan(aug, dht, sg.seg_offsets, N, HV, K, V,
                                                         problem.state_v_first, problem.has_initial_state,
                                                         dot_precision(k.dtype), f=f)
             dh, du, _ = backward_state(q, k, w, gcum, do, du, ds_end, problem.scale, T, sg.n_seg, sg.cu_seqlens,
-                                       sg.chunk_offsets, index.n_chunks, False, False, **flags)
+                                       sg.chunk_offsets, index.n_chunks, False, False, BV=p.block_v)
         del w
         dq, dkp, dw, dgp = backward_chunk(q, k, vnew, h, dh, gcum, do, du, problem.scale, T, index.grid_t, cu,
                                           index.chunk_indices)

@@ -21,6 +21,7 @@ import triton.language as tl
 from gdnkit.seqlayout import SequenceLayout
 
 from ._common import CHUNK, state_tile
+from .launch import settings
 
 
 @triton.jit
@@ -64,12 +65,12 @@ def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_
     s0 = torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
-    # P [K, K] fp32 goes through shared memory: narrow S blocks and one stage keep it at ~80 KB (sm86/89 fit)
+    # P [K, K] fp32 goes through shared memory: narrow S blocks keep it at ~80 KB (sm86/89 fit)
     BV = min(16, triton.next_power_of_2(V))
     segment_scan_kernel[(triton.cdiv(V, BV), N * HV)](
         aug, f, h0, s0, ht, seg_offsets, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None, num_warps=4,
-        num_stages=1)
+        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None,
+        **settings("segment_scan", aug.dtype))
     return s0, ht
 
 

@@ -19,13 +19,8 @@ import triton
 import triton.language as tl
 
 from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
+from .launch import settings
 
-# Warps per program. sm90 builds with Triton 3.6 (ptxas, registers / spill bytes at 1, 2, 4, 8 warps): kkt
-# 255/928, 255/324, 197/0, 124/0; solve (the products only) 255/992, 255/100, 228/0, 128/0: 8 warps keep both
-# spill-free at ~128 registers. diag_inverse_kernel runs at 1 warp: 64 registers, no spills, no barriers
-# (2 warps add 3 barriers a row step), so an SM holds 32 of its chains.
-KKT_WARPS = 8
-SOLVE_WARPS = 8
 
 
 @triton.jit
@@ -196,17 +191,17 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
             gcum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
         a = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=torch.float32)
         kkt_kernel[grid](k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BK=min(64, K),
-                         IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype), num_warps=KKT_WARPS)
+                         IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype), **settings("kkt", k.dtype))
         # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
         tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
         diag_inverse_kernel[(4 * grid_t, B * HV)](a, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen,
-                                                 num_warps=1)
-        solve_kernel[grid](a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen, num_warps=SOLVE_WARPS)
+                                                 **settings("diag_inverse", k.dtype))
+        solve_kernel[grid](a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen, **settings("solve", k.dtype))
         del a
     assert gcum is not None
     w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
     w_u_kernel[grid](k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V,
                      BK=min(64, K), BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=varlen,
-                     PREC=dot_precision(k.dtype), num_warps=8)
+                     PREC=dot_precision(k.dtype), **settings("w_u", k.dtype))
     return gcum, tmat, w, u

@@ -14,6 +14,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import decay, dot_precision, sequence_bounds, state_tile
+from .launch import settings
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -88,8 +89,7 @@ def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_of
 
 
 def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
-               output_final_state, fuse_output, store_h, store_vnew, BV, num_warps=4, num_stages=2,
-               propagator=False):
+               output_final_state, fuse_output, store_h, store_vnew, BV, propagator=False):
     """Returns (o or None, h [n_chunks, HV, K, V] or None, U or None, final state or None).
 
     propagator=True (a pass over segments of context parallelism): from a zero state, the final states
@@ -111,6 +111,6 @@ def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_c
         q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None,
         STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, STORE_H=store_h, STORE_VNEW=store_vnew,
-        FUSE_OUTPUT=fuse_output, PROPAGATOR=propagator, PREC=dot_precision(k.dtype), num_warps=num_warps,
-        num_stages=num_stages)
+        FUSE_OUTPUT=fuse_output, PROPAGATOR=propagator, PREC=dot_precision(k.dtype),
+        **settings("fused" if fuse_output else "state", k.dtype))
     return o, h, vnew, ht

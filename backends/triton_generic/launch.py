@@ -1,0 +1,56 @@
+"""Launch settings (num_warps, num_stages) of every triton_generic kernel, in one table.
+
+Fixed per kernel, not autotuned at call time: autotuning costs the first call seconds per shape, may pick
+differently from one process to the next (results not bitwise repeatable across runs) and cannot run while
+a CUDA graph is captured. The values are H200 sweeps (benchmarks/JOURNAL.md, session 7); on another GPU,
+GDNKIT_TRITON_LAUNCH overrides entries for tuning: "output=4x2,backward_chunk=8x1" (warps x stages).
+
+Stages only matter for kernels with a runtime loop (the sequential passes walk their chunks in one); where
+a kernel unrolls its loops only the warp count counts.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SIXTEEN_BIT = {
+    # H200 (2026-11-30, scratch sweep over 2/4/8 warps x 1/2/3 stages; per-kernel device time, ms, at 16/64
+    # 1x32768 unless named): fewer warps than the 8 of the first version win almost everywhere
+    "kkt": (4, 2),             # 0.490 -> 0.355 (8 -> 4 warps; 197 registers, no spills)
+    "diag_inverse": (1, 3),    # one warp per 16 x 16 block: 64 registers, no barriers (2 warps add 3 a row)
+    "solve": (2, 2),           # 0.476 (8) / 0.417 (4) / 0.320 (2): its spills at 2 warps cost less than its barriers
+    "w_u": (4, 2),             # 0.748 -> 0.729
+    "state": (4, 3),           # the state pass alone (and the propagator pass): 8/32 1x32768 0.844 (4x2) -> 0.789
+    "fused": (4, 3),           # the state pass with the output fused in: 2.48 (8x1) -> 1.354
+    "reverse": (4, 1),         # the backward's reverse pass, 16/32 1x32768: 1.77 (4x2) / 2.63 (4x3) -> 1.684
+    "output": (4, 2),          # 64-wide V blocks: 2.840 (8) / 1.486 (4) / 1.439 (2); 128-wide (output.BLOCK_V): 1.04
+    "local_du": (4, 2),        # 16/32 1x32768: 0.809 -> 0.454
+    "backward_chunk": (4, 3),  # 16/32 1x32768: 2.787 (8x1) -> 1.671
+    "backward_wy": (4, 3),     # 16/32 1x32768: 2.261 -> 1.369
+    "segment_scan": (4, 1),    # P [K, K] fp32 through shared memory: one stage keeps it at ~80 KB (sm86/89)
+}
+# fp32 tiles take twice the shared memory: the sequential passes stay at one stage (under Ada's ~99 KB a
+# block), with 8 warps for their doubled registers
+FP32 = {**SIXTEEN_BIT, "state": (8, 1), "fused": (8, 1), "reverse": (8, 1)}
+
+
+@functools.lru_cache(maxsize=8)
+def _overrides(spec: str) -> dict[str, tuple[int, int]]:
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, value = item.partition("=")
+        warps, _, stages = value.partition("x")
+        if name not in SIXTEEN_BIT or not warps.isdigit() or not stages.isdigit():
+            raise ValueError(f"GDNKIT_TRITON_LAUNCH: {item!r} is not <kernel>=<warps>x<stages> with a kernel "
+                             f"among {sorted(SIXTEEN_BIT)}")
+        out[name] = (int(warps), int(stages))
+    return out
+
+
+def settings(kernel: str, dtype: torch.dtype) -> dict[str, int]:
+    """num_warps / num_stages for one launch of `kernel` on inputs of `dtype`."""
+    table = FP32 if dtype == torch.float32 else SIXTEEN_BIT
+    warps, stages = _overrides(os.environ.get("GDNKIT_TRITON_LAUNCH", "")).get(kernel, table[kernel])
+    return {"num_warps": warps, "num_stages": stages}
