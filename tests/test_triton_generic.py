@@ -176,6 +176,18 @@ def test_context_parallel_varlen_v_first():
     check(make_call(300, 2, 4, 32, 64, lengths=[37, 0, 200, 63], state_v_first=True), segment_chunks=2)
 
 
+def test_bf16_through_the_patched_interpreter(bf16_interpreter):
+    # the GPU's dtype on the CPU (conftest.bf16_interpreter): the GPU tests' bars, on bf16-rounded inputs so
+    # the error is the kernels' own. The patched interpreter gives the H200's dq / dk / dv errors to three
+    # digits on test_gpu_quick_heads_gradients_bf16[8-32]'s input, but dg 2.7e-3 where the H200 gives 1.06e-2
+    # (benchmarks/JOURNAL.md, session 7): that loss is the GPU build's, not the algebra's.
+    call = _bf16_rounded(make_call(200, 1, 2, 32, 32, lengths=[1, 64, 135]))
+    o_ref, ht_ref, g_ref, do, dht = reference(call)
+    o, ht, grads = run_backend(call, torch.bfloat16, do, dht)
+    errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref), **{f"d{n}": rel(grads[n], g_ref[n]) for n in g_ref}}
+    assert errs["o"] > 1e-4, errs  # bf16 really ran: exact products would leave only fp32 rounding
+    _assert_bounds(errs)
+
 def test_fp16():
     check(make_call(130, 1, 2, 32, 32), dtype=torch.float16)
 

@@ -56,7 +56,7 @@ def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_s
         dww -= tl.dot(dU, tl.trans(hh.to(dt)), input_precision=PREC)
         sdh += tl.sum(hh.to(tl.float32) * dhh.to(tl.float32), 1)
     off = (bos * HV + i_h) * K + r[:, None] * (HV * K) + ck[None, :]
-    tl.store(dw + off, dww, mask=m[:, None])
+    tl.store(dw + off, dww.to(dw.dtype.element_ty), mask=m[:, None])
 
     hq = tl.zeros([64, BK], dtype=tl.float32)     # dO S0^T
     dA = tl.zeros([64, 64], dtype=tl.float32)     # dO U^T
@@ -94,7 +94,8 @@ def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_s
 
 
 def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens, chunk_indices):
-    """Returns per-value-head dq, dk (partial), dW, all [B,T,HV,K] fp32, and dgamma partials [NK,B,T,HV]."""
+    """Returns per-value-head dq, dk (partial), both [B,T,HV,K] fp32, dW [B,T,HV,K] in k's dtype (backward_wy
+    takes it as a product operand only), and dgamma partials [NK,B,T,HV] fp32."""
     B, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     # 8 warps. Tiles no narrower than 64 (BLOCK_K): a 32-wide K block made most products here wgmmas of
@@ -105,7 +106,8 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     BV = min(64, triton.next_power_of_2(V))
     NK = triton.cdiv(K, BK)
     dev = q.device
-    dq, dk, dw = (packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(3))
+    dq, dk = (packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(2))
+    dw = packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=k.dtype)
     dgp = packed_output((NK, B, T, HV), cu_seqlens, token_dim=2, device=dev, dtype=torch.float32)
     backward_chunk_kernel[(NK, grid_t, B * HV)](
         q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
