@@ -324,6 +324,38 @@ def test_launch_settings_table_and_override(monkeypatch):
         with pytest.raises(ValueError, match="GDNKIT_TRITON_LAUNCH"):
             launch.settings("output", torch.bfloat16)
 
+
+def test_launch_retries_at_fewer_stages_where_shared_memory_is_short(monkeypatch):
+    # a GPU with less shared memory than the H200 (sm86/89: 99 KB): Triton raises OutOfResources before the
+    # kernel runs; launch() steps the stages down until a build fits, and keeps that for the next calls
+    from triton.runtime.errors import OutOfResources
+    from gdnkit.backends.triton_generic import launch
+    monkeypatch.delenv("GDNKIT_TRITON_LAUNCH", raising=False)
+    monkeypatch.setattr(launch, "_FITTED", {})
+    tried = []
+
+    class Kernel:  # needs one stage at most, like a 128 KB fp32 build on a 99 KB GPU
+        def __getitem__(self, grid):
+            def run(*args, num_warps, num_stages, **kwargs):
+                tried.append(num_stages)
+                if num_stages > 1:
+                    raise OutOfResources(128 * 1024, 99 * 1024, "shared memory")
+                return args, kwargs, grid
+            return run
+
+    assert launch.launch("backward_chunk", torch.bfloat16, Kernel(), (2,), 7, X=1) == ((7,), {"X": 1}, (2,))
+    assert tried == [3, 2, 1]
+    launch.launch("backward_chunk", torch.bfloat16, Kernel(), (2,), 7, X=1)
+    assert tried == [3, 2, 1, 1]  # remembered
+
+    class Never:
+        def __getitem__(self, grid):
+            def run(*args, num_warps, num_stages, **kwargs):
+                raise OutOfResources(1 << 30, 99 * 1024, "shared memory")
+            return run
+    with pytest.raises(OutOfResources):
+        launch.launch("output", torch.bfloat16, Never(), (1,))
+
 # ---------------------------------------------------------------- on a GPU, through the public API
 
 QUICK_HEADS = [(2, 8), (4, 16), (8, 32), (16, 64)]

@@ -16,7 +16,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
-from .launch import settings
+from .launch import launch
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64
@@ -109,8 +109,7 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     dq, dk = (packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(2))
     dw = packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=k.dtype)
     dgp = packed_output((NK, B, T, HV), cu_seqlens, token_dim=2, device=dev, dtype=torch.float32)
-    backward_chunk_kernel[(NK, grid_t, B * HV)](
+    launch("backward_chunk", q.dtype, backward_chunk_kernel, (NK, grid_t, B * HV),
         q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype),
-        **settings("backward_chunk", q.dtype))
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
     return dq, dk, dw, dgp

@@ -15,7 +15,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
-from .launch import settings
+from .launch import launch
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -81,11 +81,14 @@ def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk
         kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
         ww = tl.load(wb + r[:, None] * (HV * K) + ck[None, :], mask=m[:, None], other=0.0)
         dd = tl.load(dob + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0).to(dt)
-        kt = (kk.to(tl.float32) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)
-        # the chunk-local term scale (Q K^T (.) D_incl)^T dO came from local_du_kernel, in du already
-        dU = tl.load(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :],
-                     other=0.0).to(tl.float32)
-        dU += tl.dot(kt, dS.to(dt), input_precision=PREC)
+        # diag(Gamma_C / Gamma) K dS_end with the decay applied to the product's rows, not to K before it: K
+        # feeds the product unscaled (no 16-bit rounding of the scaled K), and the chunk-local term that
+        # local_du_kernel left in du is added after the product rather than loaded as its accumulator, which
+        # lets Triton prefetch that load with the others when the loop is pipelined (a helper's sm90 build
+        # study, session 7: as the accumulator it stayed a synchronous load at any num_stages)
+        dU = tl.dot(kk, dS.to(dt), input_precision=PREC) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]
+        dU += tl.load(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :],
+                      other=0.0).to(tl.float32)
         if STORE_DH:
             tl.store(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], dU.to(du.dtype.element_ty),
                      mask=m[:, None] & mv[None, :])
@@ -105,9 +108,9 @@ def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
     HV, V = do.shape[2], do.shape[3]
     BV = min(64, triton.next_power_of_2(V))
     du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=q.dtype)
-    local_du_kernel[(triton.cdiv(V, BV), grid_t, B * HV)](
+    launch("local_du", q.dtype, local_du_kernel, (triton.cdiv(V, BV), grid_t, B * HV),
         q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype), **settings("local_du", q.dtype))
+        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
     return du
 
 
@@ -123,9 +126,8 @@ def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_of
     dh = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dh0 = torch.empty(shape, device=dev, dtype=torch.float32) if want_dh0 else None
-    backward_state_kernel[(triton.cdiv(V, BV), N * HV)](
+    launch("reverse", k.dtype, backward_state_kernel, (triton.cdiv(V, BV), N * HV),
         q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None,
-        STORE_DH0=want_dh0, STATE_V_FIRST=state_v_first, STORE_DH=store, PREC=dot_precision(k.dtype),
-        **settings("reverse", k.dtype))
+        STORE_DH0=want_dh0, STATE_V_FIRST=state_v_first, STORE_DH=store, PREC=dot_precision(k.dtype))
     return dh, du, dh0

@@ -13,7 +13,7 @@ import triton.language as tl
 from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
-from .launch import settings
+from .launch import launch
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64
@@ -111,8 +111,8 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     dk = dkp  # each program reads its tile of the partial before writing the sum there
     dv = packed_output(v.shape, cu_seqlens, device=dev, dtype=v.dtype)
     dbeta, dg = (packed_output((B, T, HV), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(2))
-    backward_wy_kernel[(grid_t, B * HV)](
+    launch("backward_wy", k.dtype, backward_wy_kernel, (grid_t, B * HV),
         k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,
-        PREC=dot_precision(k.dtype), **settings("backward_wy", k.dtype))
+        PREC=dot_precision(k.dtype))
     return dk, dv, dbeta, dg

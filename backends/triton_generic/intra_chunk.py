@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
-from .launch import settings
+from .launch import launch
 
 
 
@@ -190,18 +190,18 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
         if cumsum:
             gcum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
         a = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=torch.float32)
-        kkt_kernel[grid](k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BK=min(64, K),
-                         IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype), **settings("kkt", k.dtype))
+        launch("kkt", k.dtype, kkt_kernel, grid, k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K,
+               BK=min(64, K), IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype))
         # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
         tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
-        diag_inverse_kernel[(4 * grid_t, B * HV)](a, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen,
-                                                 **settings("diag_inverse", k.dtype))
-        solve_kernel[grid](a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen, **settings("solve", k.dtype))
+        launch("diag_inverse", k.dtype, diag_inverse_kernel, (4 * grid_t, B * HV), a, cu_seqlens, chunk_indices, T,
+               HV=HV, IS_VARLEN=varlen)
+        launch("solve", k.dtype, solve_kernel, grid, a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen)
         del a
     assert gcum is not None
     w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
-    w_u_kernel[grid](k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, V=V,
-                     BK=min(64, K), BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=varlen,
-                     PREC=dot_precision(k.dtype), **settings("w_u", k.dtype))
+    launch("w_u", k.dtype, w_u_kernel, grid, k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV,
+           K=K, V=V, BK=min(64, K), BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=varlen,
+           PREC=dot_precision(k.dtype))
     return gcum, tmat, w, u

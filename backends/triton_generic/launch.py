@@ -6,7 +6,9 @@ a CUDA graph is captured. The values are H200 sweeps (benchmarks/JOURNAL.md, ses
 GDNKIT_TRITON_LAUNCH overrides entries for tuning: "output=4x2,backward_chunk=8x1" (warps x stages).
 
 Stages only matter for kernels with a runtime loop (the sequential passes walk their chunks in one); where
-a kernel unrolls its loops only the warp count counts.
+a kernel unrolls its loops only the warp count counts. Stages cost shared memory: where a GPU has less than
+the H200 (sm86/sm89/sm120: 99 KB a block; fp32's backward_chunk takes 128 KB at 3 stages there, Triton 3.6),
+launch() retries at fewer stages and remembers what ran.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import functools
 import os
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 SIXTEEN_BIT = {
     # H200 (2026-11-30, scratch sweep over 2/4/8 warps x 1/2/3 stages; per-kernel device time, ms, at 16/64
@@ -54,3 +57,25 @@ def settings(kernel: str, dtype: torch.dtype) -> dict[str, int]:
     table = FP32 if dtype == torch.float32 else SIXTEEN_BIT
     warps, stages = _overrides(os.environ.get("GDNKIT_TRITON_LAUNCH", "")).get(kernel, table[kernel])
     return {"num_warps": warps, "num_stages": stages}
+
+
+# (kernel, dtype, device) -> settings that fit, where the table's did not
+_FITTED: dict[tuple, dict[str, int]] = {}
+
+
+def launch(kernel_name: str, dtype: torch.dtype, kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) at the table's settings for kernel_name. Triton raises OutOfResources
+    before anything runs when a build needs more shared memory than the GPU has; then one stage fewer, down to
+    one, and the settings that fit are kept for the next calls (no retry per call, none inside a CUDA graph
+    capture after the first call)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    key = (kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""))
+    chosen = _FITTED.get(key) or settings(kernel_name, dtype)
+    while True:
+        try:
+            return kernel[grid](*args, **kwargs, **chosen)
+        except OutOfResources:
+            if chosen["num_stages"] <= 1:
+                raise
+            chosen = {**chosen, "num_stages": chosen["num_stages"] - 1}
+            _FITTED[key] = chosen
