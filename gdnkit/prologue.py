@@ -38,8 +38,9 @@ def _l2norm_backward(x, rstd, dy):
 
 
 def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias):
-    """dq/dk/dg/dbeta: fp32 gradients w.r.t. the kernel inputs.
-    Returns (dq, dk, dg, dbeta, dA_log, ddt_bias) w.r.t. the raw inputs, fp32."""
+    """dq/dk/dg/dbeta: gradients w.r.t. the kernel inputs, fp32 (dq / dk may come in their output dtype where
+    no l2norm backward follows: grad_dtypes_for_sums). Returns (dq, dk, dg, dbeta, dA_log, ddt_bias) w.r.t. the
+    raw inputs, fp32 except dq / dk passed through in another dtype."""
     dA_log = ddt_bias = None
     if problem.use_qk_l2norm_in_kernel:
         dq = _l2norm_backward(stash["q_raw"], stash["q_rstd"], dq)
@@ -60,18 +61,32 @@ def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias):
     return dq, dk, dg, dbeta, dA_log, ddt_bias
 
 
-def sum_head_groups(x: torch.Tensor, H: int) -> torch.Tensor:
+def sum_head_groups(x: torch.Tensor, H: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, T, HV, K] -> [B, T, H, K]: the gradient of GVA's broadcast of q/k head h to its HV / H adjacent value
     heads (hv // (HV / H) == h), summed in a fixed order. Slice adds, not .sum over the group dimension: that
-    reduction ran at ~110 GB/s on the H200 (0.585 ms for dq and dk at 16/32 1x32768, bf16, fp32 grads)."""
+    reduction ran at ~110 GB/s on the H200 (0.585 ms for dq and dk at 16/32 1x32768, bf16, fp32 grads).
+    dtype: the result's, where nothing after the sum needs fp32 (the last add writes it: the same fp32 sum
+    rounded once, as a cast afterwards would give, without that cast's extra pass over the fp32 sums)."""
     B, T, HV, K = x.shape
     if HV == H:
-        return x
-    x = x.view(B, T, H, HV // H, K)
-    out = x[:, :, :, 0] + x[:, :, :, 1]
-    for i in range(2, HV // H):
-        out += x[:, :, :, i]
-    return out
+        return x if dtype is None else x.to(dtype)
+    G = HV // H
+    x = x.view(B, T, H, G, K)
+    acc = x[:, :, :, 0]
+    for i in range(1, G - 1):
+        acc = acc + x[:, :, :, i] if i == 1 else acc.add_(x[:, :, :, i])
+    if x.requires_grad:  # out= does not differentiate: the same sum and rounding, in two passes
+        return (acc + x[:, :, :, G - 1]).to(dtype or x.dtype)
+    out = torch.empty(B, T, H, K, device=x.device, dtype=dtype or x.dtype)
+    return torch.add(acc, x[:, :, :, G - 1], out=out)
+
+
+def grad_dtypes_for_sums(problem: Problem, dtypes: dict) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtypes sum_head_groups may write dq and dk in: their inputs' (input_dtypes), unless the l2norm
+    backward still has to run on them in fp32 (then None: fp32)."""
+    if problem.use_qk_l2norm_in_kernel:
+        return None, None
+    return dtypes["q"], dtypes["k"]
 
 
 def input_dtypes(inputs) -> dict:

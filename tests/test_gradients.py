@@ -70,3 +70,21 @@ def test_no_graph_without_grad_and_backward_through_output_only():
     o, _ = gdnkit.chunk_gated_delta_rule(**leaves)  # no final state: dht is absent
     o.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves.values())
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_gva_sums_round_once(group, dtype):
+    # dq / dk of a q/k head: its value heads' fp32 gradients summed in head order, then rounded once to the
+    # output dtype, written by the sum itself (the backends skip a cast pass over the fp32 sums)
+    from gdnkit import prologue
+    x = torch.randn(2, 7, 3 * group, 16, generator=torch.Generator().manual_seed(group))
+    parts = x.view(2, 7, 3, group, 16).unbind(3)
+    want = parts[0]
+    for p in parts[1:]:
+        want = want + p
+    want = want if dtype is None else want.to(dtype)
+    got = prologue.sum_head_groups(x, 3, dtype)
+    assert got.dtype == (dtype or torch.float32) and torch.equal(got, want)
+    leaf = x.clone().requires_grad_()  # under autograd too (no out= there)
+    assert torch.equal(prologue.sum_head_groups(leaf, 3, dtype).detach(), want)
