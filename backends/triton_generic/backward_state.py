@@ -92,8 +92,10 @@ def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk
         if STORE_DH:
             tl.store(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], dU.to(du.dtype.element_ty),
                      mask=m[:, None] & mv[None, :])
-        qg = (qq.to(tl.float32) * (tl.exp2(gg) * scale)[:, None]).to(dt)
-        dS = dS * tl.exp2(g_last) + tl.dot(tl.trans(qg), dd, input_precision=PREC)
+        # scale (Q^T diag(Gamma) dO): the row scaling on dO's tile rather than Q's, so Q, like K above, goes to
+        # the tensor cores as loaded (one 16-bit rounding of a scaled operand either way)
+        dd_g = (dd.to(tl.float32) * (tl.exp2(gg) * scale)[:, None]).to(dt)
+        dS = dS * tl.exp2(g_last) + tl.dot(tl.trans(qq), dd_g, input_precision=PREC)
         dS -= tl.dot(tl.trans(ww), dU.to(dt), input_precision=PREC)
 
     if STORE_DH0:
