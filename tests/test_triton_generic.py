@@ -347,6 +347,8 @@ def test_launch_retries_at_fewer_stages_where_shared_memory_is_short(monkeypatch
     assert tried == [3, 2, 1]
     launch.launch("backward_chunk", torch.bfloat16, Kernel(), (2,), 7, X=1)
     assert tried == [3, 2, 1, 1]  # remembered
+    launch.launch("backward_chunk", torch.bfloat16, Kernel(), (2,), 7, X=2)
+    assert tried == [3, 2, 1, 1, 3, 2, 1]  # another build (compile-time arguments) is fitted on its own
 
     class Never:
         def __getitem__(self, grid):

@@ -59,17 +59,19 @@ def settings(kernel: str, dtype: torch.dtype) -> dict[str, int]:
     return {"num_warps": warps, "num_stages": stages}
 
 
-# (kernel, dtype, device) -> settings that fit, where the table's did not
+# (kernel, dtype, device, override, compile-time arguments) -> settings that fit, where the table's did not
 _FITTED: dict[tuple, dict[str, int]] = {}
 
 
 def launch(kernel_name: str, dtype: torch.dtype, kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs) at the table's settings for kernel_name. Triton raises OutOfResources
     before anything runs when a build needs more shared memory than the GPU has; then one stage fewer, down to
-    one, and the settings that fit are kept for the next calls (no retry per call, none inside a CUDA graph
-    capture after the first call)."""
+    one, and the settings that fit are kept for the next calls of the same build (no retry per call, none
+    inside a CUDA graph capture after the first call)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    key = (kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""))
+    # the build's shared memory depends on its compile-time arguments (block sizes, flags): one entry per build
+    build = tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (bool, int, str))))
+    key = (kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""), build)
     chosen = _FITTED.get(key) or settings(kernel_name, dtype)
     while True:
         try:
