@@ -39,7 +39,7 @@ def _l2norm_backward(x, rstd, dy):
 
 def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias):
     """dq/dk/dg/dbeta: gradients w.r.t. the kernel inputs, fp32 (dq / dk may come in their output dtype where
-    no l2norm backward follows: grad_dtypes_for_sums). Returns (dq, dk, dg, dbeta, dA_log, ddt_bias) w.r.t. the
+    no l2norm backward follows: sum_qk_head_groups). Returns (dq, dk, dg, dbeta, dA_log, ddt_bias) w.r.t. the
     raw inputs, fp32 except dq / dk passed through in another dtype."""
     dA_log = ddt_bias = None
     if problem.use_qk_l2norm_in_kernel:
@@ -73,7 +73,7 @@ def sum_head_groups(x: torch.Tensor, H: int, dtype: torch.dtype | None = None) -
     G = HV // H
     x = x.view(B, T, H, G, K)
     acc = x[:, :, :, 0]
-    for i in range(1, G - 1):
+    for i in range(1, G - 1):  # the first add makes a new tensor (x is the caller's); later adds go into it
         acc = acc + x[:, :, :, i] if i == 1 else acc.add_(x[:, :, :, i])
     if x.requires_grad:  # out= does not differentiate: the same sum and rounding, in two passes
         return (acc + x[:, :, :, G - 1]).to(dtype or x.dtype)
@@ -81,12 +81,12 @@ def sum_head_groups(x: torch.Tensor, H: int, dtype: torch.dtype | None = None) -
     return torch.add(acc, x[:, :, :, G - 1], out=out)
 
 
-def grad_dtypes_for_sums(problem: Problem, dtypes: dict) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """The dtypes sum_head_groups may write dq and dk in: their inputs' (input_dtypes), unless the l2norm
-    backward still has to run on them in fp32 (then None: fp32)."""
+def sum_qk_head_groups(problem: Problem, dtypes: dict, dq: torch.Tensor, dk: torch.Tensor, H: int):
+    """Both backends' GVA sums of the per-value-head dq, dk [B, T, HV, K]: written in their inputs' dtypes
+    (input_dtypes), unless the l2norm backward still has to run on them (then fp32)."""
     if problem.use_qk_l2norm_in_kernel:
-        return None, None
-    return dtypes["q"], dtypes["k"]
+        return sum_head_groups(dq, H), sum_head_groups(dk, H)
+    return sum_head_groups(dq, H, dtypes["q"]), sum_head_groups(dk, H, dtypes["k"])
 
 
 def input_dtypes(inputs) -> dict:

@@ -170,9 +170,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     chunk_grads_kernel(H, HV, dt)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
                                   layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta, float(problem.scale))
     # GVA: the value heads of one q/k head are adjacent (hv // (HV / H)); summed in a fixed order
-    dq_dtype, dk_dtype = prologue.grad_dtypes_for_sums(problem, s.dtypes)
-    dq = prologue.sum_head_groups(dq.view(B, T, HV, K), H, dq_dtype)
-    dk = prologue.sum_head_groups(dk.view(B, T, HV, K), H, dk_dtype)
+    dq, dk = prologue.sum_qk_head_groups(problem, s.dtypes, dq.view(B, T, HV, K), dk.view(B, T, HV, K), H)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
                                                            s.dt_bias)

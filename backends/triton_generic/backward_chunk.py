@@ -98,10 +98,11 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     takes it as a product operand only), and dgamma partials [NK,B,T,HV] fp32."""
     B, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
-    # 8 warps. Tiles no narrower than 64 (BLOCK_K): a 32-wide K block made most products here wgmmas of
-    # N = 32 (N = 16 per warpgroup) on 64-byte-swizzled shared operands, a form no forward kernel uses and
-    # the suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses themselves
-    # are in bounds, tests/test_triton_generic.py checks them). 64 spills a little instead (sm90 build).
+    # Tiles no narrower than 64 (BLOCK_K): a 32-wide K block made most products here wgmmas of N = 32
+    # (N = 16 per warpgroup) on 64-byte-swizzled shared operands, a form no forward kernel uses and the
+    # suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses themselves are in
+    # bounds, tests/test_triton_generic.py checks them). At the launch table's 4 warps / 3 stages: 248
+    # registers, no spills (sm90 build, Triton 3.6).
     BK = min(BLOCK_K, K)
     BV = min(64, triton.next_power_of_2(V))
     NK = triton.cdiv(K, BK)

@@ -100,11 +100,11 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     dbeta, dg (fp32, w.r.t. the kernels' inputs: before the options' prologue is undone)."""
     B, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    # 8 warps; five 64x64 fp32 tiles are live here. Blocks no narrower than 64 (BLOCK_K, BLOCK_V): 32-wide
-    # ones made 32-wide wgmma operands in 64-byte-swizzled shared memory, a layout no forward kernel uses
-    # and the suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses
-    # themselves are in bounds, tests/test_triton_generic.py checks them). 64 spills instead (sm90 build,
-    # Triton 3.6: 724 bytes per thread with the loops unrolled, 284 as runtime loops with T kept in k's dtype).
+    # Five 64x64 fp32 tiles are live here. Blocks no narrower than 64 (BLOCK_K, BLOCK_V): 32-wide ones made
+    # 32-wide wgmma operands in 64-byte-swizzled shared memory, a layout no forward kernel uses and the
+    # suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses themselves are in
+    # bounds, tests/test_triton_generic.py checks them). At the launch table's 4 warps / 3 stages: 254
+    # registers, no spills (sm90 build, Triton 3.6; 8 warps spilled 284-724 bytes a thread).
     BK = min(BLOCK_K, K)
     BV = min(BLOCK_V, triton.next_power_of_2(V))
     dev = k.device

@@ -235,8 +235,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         del h, dh, vnew
         dk, dv, dbeta, dg = backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, index.grid_t, cu,
                                         index.chunk_indices)
-        dq_dtype, dk_dtype = prologue.grad_dtypes_for_sums(problem, saved.dtypes)
-        dq, dk = prologue.sum_head_groups(dq, H, dq_dtype), prologue.sum_head_groups(dk, H, dk_dtype)
+        dq, dk = prologue.sum_qk_head_groups(problem, saved.dtypes, dq, dk, H)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, saved.stash, dq, dk, dg, dbeta,
                                                            saved.A_log, saved.dt_bias)
     return prologue.grads_in_input_dtypes(saved.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)

@@ -22,7 +22,6 @@ from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
 from .launch import launch
 
 
-
 @triton.jit
 def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
     return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)

@@ -68,11 +68,9 @@ def launch(kernel_name: str, dtype: torch.dtype, kernel, grid, *args, **kwargs):
     before anything runs when a build needs more shared memory than the GPU has; then one stage fewer, down to
     one, and the settings that fit are kept for the next calls of the same build (no retry per call, none
     inside a CUDA graph capture after the first call)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    # the build's shared memory depends on its compile-time arguments (block sizes, flags): one entry per build
-    build = tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (bool, int, str))))
-    key = (kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""), build)
-    chosen = _FITTED.get(key) or settings(kernel_name, dtype)
+    chosen = settings(kernel_name, dtype)
+    key = _build_key(kernel_name, dtype, kwargs) if _FITTED else None  # none on record: nothing to look up
+    chosen = _FITTED.get(key, chosen)
     while True:
         try:
             return kernel[grid](*args, **kwargs, **chosen)
@@ -80,4 +78,12 @@ def launch(kernel_name: str, dtype: torch.dtype, kernel, grid, *args, **kwargs):
             if chosen["num_stages"] <= 1:
                 raise
             chosen = {**chosen, "num_stages": chosen["num_stages"] - 1}
-            _FITTED[key] = chosen
+            _FITTED[key or _build_key(kernel_name, dtype, kwargs)] = chosen
+
+
+def _build_key(kernel_name: str, dtype: torch.dtype, kwargs: dict) -> tuple:
+    """A build's identity for _FITTED: its shared memory depends on its compile-time arguments (block sizes,
+    flags), the device and the launch override too."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    build = tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (bool, int, str))))
+    return kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""), build
