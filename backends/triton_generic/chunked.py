@@ -239,6 +239,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         dk, dv, dbeta, dg = backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, index.grid_t, cu,
                                         index.chunk_indices)
         del dw, du, dkp, dgp
+        # dq, dk come summed over each key head's value heads ([B, T, H, K] fp32): this only casts them
         dq, dk = prologue.sum_qk_head_groups(problem, saved.dtypes, dq, dk, H)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, saved.stash, dq, dk, dg, dbeta,
                                                            saved.A_log, saved.dt_bias)
