@@ -355,7 +355,9 @@ class Runner:
                         sets.append(requires_grad_(s) if point.pass_ == "bwd" else s)
                 row, extras, out = self._measure(impl, point, sets)
                 if baseline is None:
-                    baseline = (impl.name, out)
+                    # kept on the host: left on the device, the first implementation's outputs counted in
+                    # every later one's peak memory (FLA's gradients, 520 MiB at bwd 16/32 1x32768)
+                    baseline = (impl.name, [t.detach().cpu() for t in out])
                 else:
                     try:
                         extras["diff_vs"] = {baseline[0]: accuracy.max_rel_l2(out, baseline[1])}

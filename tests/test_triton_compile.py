@@ -26,7 +26,7 @@ KERNELS = {
     "backward_state": ("backward_state", "backward_state_kernel",
                        dict(HEADS, BV=32, HAS_DHT=True, STORE_DH0=True, STATE_V_FIRST=True, STORE_DH=True)),
     "output": ("output", "output_kernel", dict(HEADS, BK=64, BV=64)),
-    "backward_chunk": ("backward_chunk", "backward_chunk_kernel", dict(HEADS, BK=64, BV=64)),
+    "backward_chunk": ("backward_chunk", "backward_chunk_kernel", dict(HEADS, BK=64, BV=64, ACCUMULATE=True)),
     "backward_wy": ("backward_wy", "backward_wy_kernel", dict(HEADS, BK=64, BV=64, NK=2)),
     "kkt": ("intra_chunk", "kkt_kernel", dict(H=2, HV=4, K=128, IS_VARLEN=True, PREC="tf32", BK=64, CUMSUM=True)),
     "diag_inverse": ("intra_chunk", "diag_inverse_kernel", dict(HV=4, IS_VARLEN=True)),
@@ -43,7 +43,7 @@ def _signature(fn, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name == "T":
+        elif name in ("T", "J"):
             sig[name] = "i32"
         elif name == "scale":
             sig[name] = "fp32"

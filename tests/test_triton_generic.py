@@ -153,6 +153,11 @@ def test_k_and_v_differ_and_gva_fixed():
     check(make_call(100, 1, 4, 64, 32), fuse="never")
 
 
+def test_one_value_head_per_key_head():
+    # H == HV: the per-chunk gradient kernels' one launch per group member is a single launch, nothing summed
+    check(make_call(100, 2, 2, 32, 32, B=2))
+
+
 @pytest.mark.parametrize("narrowest", [16, 32])
 def test_narrow_v_blocks_when_few_programs(narrowest, monkeypatch):
     # a huge SM count makes the plan split V into the narrowest blocks allowed and leave the output unfused

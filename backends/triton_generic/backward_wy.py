@@ -1,6 +1,7 @@
 """Per chunk, in parallel: the gradients through W = T diag(beta Gamma) K and U' = T diag(beta) V, through
 T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T (.) D)) (ALGORITHM.md section 5), then the gate
-gradient as the reverse cumulative sum of dgamma inside the chunk.
+gradient as the reverse cumulative sum of dgamma inside the chunk. dK is the key head's (summed over the
+value heads that share it, one launch per value head of the group, as backward_chunk.py).
 
     dBv = T^T dU, dBk = T^T dW, dT = dU Bv^T + dW Bk^T, dA = strictly_lower(-T^T dT T^T)
 """
@@ -20,14 +21,17 @@ BLOCK_K = 64
 BLOCK_V = 64
 
 
-@triton.jit(do_not_specialize=["T"])
-def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
+@triton.jit(do_not_specialize=["T", "J"])
+def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, J,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
+    """One launch per value head of a key head's group (J), one program per (chunk, key head): value head
+    i_hk * HV / H + J adds its WY terms to the key head's dk rows in place (dkp: backward_chunk's sum over the
+    group, then each launch's in turn: a fixed order, no atomics)."""
+    pid_t, i_bk = tl.program_id(0), tl.program_id(1)
+    i_b, i_hk = i_bk // H, i_bk % H
+    i_h = i_hk * (HV // H) + J
     bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    i_hk = i_h // (HV // H)
     dt = k.dtype.element_ty
     o64 = tl.arange(0, 64)
     tok = (bos + r) * HV + i_h
@@ -78,16 +82,17 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
         dW = tl.load(dw + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
         dBk = tl.dot(tl.trans(tt.to(dt)), dW.to(dt), input_precision=PREC)
         kf = kk.to(tl.float32)
-        part = tl.load(dkp + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
+        tok_k = (bos + r) * H + i_hk    # dk's rows: the key head's
+        part = tl.load(dkp + tok_k[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
         part += dBk * (bt * gam)[:, None]
         part += tl.dot(Gd, kk, input_precision=PREC) + tl.dot(tl.trans(Gd), kk, input_precision=PREC)
-        tl.store(dk + tok[:, None] * K + ck[None, :], part, mask=m[:, None])
+        tl.store(dk + tok_k[:, None] * K + ck[None, :], part, mask=m[:, None])
         s = tl.sum(dBk * kf, 1)
         db += s * gam
         dgam += s * gam * bt
 
     for i in tl.static_range(NK):
-        dgam += tl.load(dgp + i * (tl.num_programs(1) // HV) * T * HV + tok, mask=m, other=0.0)
+        dgam += tl.load(dgp + i * (tl.num_programs(1) // H) * T * HV + tok, mask=m, other=0.0)
     dgam = tl.where(m, dgam, 0.0)
     # dg_t = sum_{s >= t} dgamma_s within the chunk
     rc = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
@@ -96,7 +101,7 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
 
 
 def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens, chunk_indices):
-    """Returns dk (per value head, fp32: dkp itself, the WY terms added in place), dv (v's dtype), and
+    """Returns dk ([B,T,H,K] fp32: dkp itself, every value head's WY terms added in place), dv (v's dtype), and
     dbeta, dg (fp32, w.r.t. the kernels' inputs: before the options' prologue is undone)."""
     B, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -104,15 +109,18 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     # 32-wide wgmma operands in 64-byte-swizzled shared memory, a layout no forward kernel uses and the
     # suspect of the backward's illegal memory access on the H200 (Triton 3.6; the addresses themselves are in
     # bounds, tests/test_triton_generic.py checks them). At the launch table's 4 warps / 3 stages: 254
-    # registers, no spills (sm90 build, Triton 3.6; 8 warps spilled 284-724 bytes a thread).
+    # registers, no spills (sm90 build, Triton 3.6; 8 warps spilled 284-724 bytes a thread); 255 with dk's rows
+    # per key head (offline build: triton.compile + cuobjdump -res-usage). A loop over the group's value heads
+    # in one program spilled 352 bytes a thread: one launch per value head instead, as backward_chunk.
     BK = min(BLOCK_K, K)
     BV = min(BLOCK_V, triton.next_power_of_2(V))
     dev = k.device
     dk = dkp  # each program reads its tile of the partial before writing the sum there
     dv = packed_output(v.shape, cu_seqlens, device=dev, dtype=v.dtype)
     dbeta, dg = (packed_output((B, T, HV), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(2))
-    launch("backward_wy", k.dtype, backward_wy_kernel, (grid_t, B * HV),
-        k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,
-        PREC=dot_precision(k.dtype))
+    for j in range(HV // H):  # the group's value heads in turn, as backward_chunk
+        launch("backward_wy", k.dtype, backward_wy_kernel, (grid_t, B * H),
+            k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, j,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,
+            PREC=dot_precision(k.dtype))
     return dk, dv, dbeta, dg
