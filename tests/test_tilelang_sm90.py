@@ -36,8 +36,12 @@ def _tilelang():
     return tilelang
 
 
-@functools.lru_cache(maxsize=None)
 def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
+    return _kernel(kind, H, HV, dtype, **options).get_kernel_source()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
     import tilelang
 
     from gdnkit.backends.tilelang_sm90 import (backward_state, chunk_grads, intra_chunk, propagator, state_output,
@@ -48,9 +52,26 @@ def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
                        "state_output": (state_output, state_output.state_output_program),
                        "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
                        "propagator": (propagator, propagator.propagator_program)}[kind]
-    return tilelang.compile(program(H, HV, dtype, **options), target=SM90,
-                            pass_configs=module.PASS_CONFIGS).get_kernel_source()
+    return tilelang.compile(program(H, HV, dtype, **options), target=SM90, pass_configs=module.PASS_CONFIGS)
 
+
+# What one block may use on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / H200: 227 KB), and what a kernel
+# with static mbarriers takes besides its dynamic buffer: the barriers padded to that buffer's 1 KB alignment, plus
+# the 1 KB the driver reserves per block (cuobjdump -res-usage reads SHARED:2048 for chunk_grads). A kernel past the
+# sum compiles, then fails at launch ("Failed to set the allowed dynamic shared memory size"): session 8 met
+# 232704 and 232448 bytes that way on the H200.
+SM90_BLOCK_SHARED = 232448
+STATIC_SHARED = 2048
+
+
+def _dynamic_shared_bytes(kernel) -> int:
+    """The dynamic shared memory the host code asks for at launch: TileLang's host stub passes it as the last
+    integer before the launch call's trailing empty slot."""
+    host = kernel.get_host_source()
+    sizes = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]\.type_index\) = 0;",
+                       host)
+    assert sizes, "no dynamic shared memory size found in the host stub (TileLang's host code changed?)"
+    return int(sizes[-1])
 
 def _assert_hopper_paths(src: str):
     assert "wgmma" in src, "tensor-core products did not lower to wgmma"
@@ -175,6 +196,26 @@ def test_chunk_grads_compiles_to_wgmma_and_tma(H, HV, dtype):
     _assert_hopper_paths(src)
     assert src.count("tma_load(") == 10
     assert src.count("wgmma_ss<") == 21 and "mma_sync" not in src
+
+
+
+# the largest build of each kernel the backends launch (K = V = 128; the wide V tiles and most stages)
+@pytest.mark.parametrize("kind,H,HV,options", [
+    ("chunk_grads", 4, 8, {}),
+    ("backward_state", 16, 32, dict(has_dht=True, store_dh0=True, block_v=64)),
+    ("intra_chunk", 2, 8, {}),
+    ("state_output_ws", 16, 64, dict(block_v=32, stages=3)),
+    ("state_output_ws", 16, 64, dict(block_v=64, stages=2)),
+])
+def test_kernels_fit_a_hopper_block_of_shared_memory(kind, H, HV, options):
+    """Shared memory is checked where it is decided, at compile time on the CPU: a kernel over the per-block
+    limit compiles and passes every source check here, then cannot launch on the GPU."""
+    _tilelang()
+    dtype = "float16" if kind == "chunk_grads" else "bfloat16"
+    dynamic = _dynamic_shared_bytes(_kernel(kind, H, HV, dtype, **options))
+    assert 4096 < dynamic, f"{kind}: implausible dynamic shared memory size {dynamic} (parsed wrongly?)"
+    assert dynamic + STATIC_SHARED <= SM90_BLOCK_SHARED, \
+        f"{kind} {options}: {dynamic} B dynamic + {STATIC_SHARED} B static > {SM90_BLOCK_SHARED} B per block"
 
 
 @pytest.mark.parametrize("kind,options,desc", [

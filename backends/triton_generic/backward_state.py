@@ -42,7 +42,7 @@ def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H: 
     mt = m[:, None] & (cv < V)[None, :]
     off = (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :]
     dd = tl.load(do + off, mask=mt, other=0.0).to(dt)
-    tl.store(du + off, tl.dot(tl.trans(qk.to(dt)), dd, input_precision=PREC), mask=mt)
+    tl.store(du + off, tl.dot(tl.trans(qk.to(dt)), dd, input_precision=PREC).to(du.dtype.element_ty), mask=mt)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -81,16 +81,22 @@ def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk
         kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
         ww = tl.load(wb + r[:, None] * (HV * K) + ck[None, :], mask=m[:, None], other=0.0)
         dd = tl.load(dob + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0).to(dt)
+        # diag(Gamma_C / Gamma) K dS_end, plus the chunk-local term that local_du_kernel left in du, added after
+        # the product rather than loaded as its accumulator: Triton can then prefetch that load with the others
+        # when the loop is pipelined (a helper's sm90 build study, session 7). The decay scales K before the
+        # product: scaling the product's rows instead, with the dS update below scaling dO, made a build that
+        # faulted (illegal memory access) on the H200 with Triton 3.6, though each change alone ran
         kt = (kk.to(tl.float32) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)
-        # the chunk-local term scale (Q K^T (.) D_incl)^T dO came from local_du_kernel, in du already
-        dU = tl.load(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :],
-                     other=0.0)
-        dU += tl.dot(kt, dS.to(dt), input_precision=PREC)
+        dU = tl.dot(kt, dS.to(dt), input_precision=PREC)
+        dU += tl.load(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :],
+                      other=0.0).to(tl.float32)
         if STORE_DH:
-            tl.store(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], dU,
+            tl.store(du + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], dU.to(du.dtype.element_ty),
                      mask=m[:, None] & mv[None, :])
-        qg = (qq.to(tl.float32) * (tl.exp2(gg) * scale)[:, None]).to(dt)
-        dS = dS * tl.exp2(g_last) + tl.dot(tl.trans(qg), dd, input_precision=PREC)
+        # scale (Q^T diag(Gamma) dO): the row scaling on dO's tile rather than Q's, so Q, like K above, goes to
+        # the tensor cores as loaded (one 16-bit rounding of a scaled operand either way)
+        dd_g = (dd.to(tl.float32) * (tl.exp2(gg) * scale)[:, None]).to(dt)
+        dS = dS * tl.exp2(g_last) + tl.dot(tl.trans(qq), dd_g, input_precision=PREC)
         dS -= tl.dot(tl.trans(ww), dU.to(dt), input_precision=PREC)
 
     if STORE_DH0:
@@ -98,11 +104,13 @@ def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk
 
 
 def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
-    """The chunk-local part of dU [B,T,HV,V] fp32 (backward_state adds the state's part in place)."""
+    """The chunk-local part of dU [B,T,HV,V] in the inputs' dtype (backward_state adds the state's part in place,
+    in fp32, and stores the sum rounded again). Every consumer of dU takes it as a 16-bit product operand, so
+    16-bit storage loses only the local part's own rounding (as FLA's dv) and halves its bytes and memory."""
     B, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     BV = min(64, triton.next_power_of_2(V))
-    du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=torch.float32)
+    du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=q.dtype)
     launch("local_du", q.dtype, local_du_kernel, (triton.cdiv(V, BV), grid_t, B * HV),
         q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
@@ -111,7 +119,7 @@ def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
 
 def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
                    want_dh0, BV, store=True):
-    """Returns (dh [n_chunks, HV, K, V] = dS_end per chunk, dU [B,T,HV,V] fp32, dh0 or None).
+    """Returns (dh [n_chunks, HV, K, V] = dS_end per chunk, dU [B,T,HV,V] (local_du's dtype), dh0 or None).
 
     du holds local_du's chunk-local part and receives the full dU in place; store=False computes only
     dh0 and leaves du as it is (context parallelism's first backward pass)."""
