@@ -315,6 +315,17 @@ def test_reasons():
 
 
 
+def test_host_sizes_match_triton():
+    """The plain-Python grid helpers (sizes.py: triton's own cost ~2 us a call on the host) give triton's values."""
+    import triton
+
+    from gdnkit.backends.triton_generic.sizes import cdiv, next_power_of_2
+    for n in range(0, 600):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 16, 32, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_launch_settings_table_and_override(monkeypatch):
     from gdnkit.backends.triton_generic import launch
     monkeypatch.delenv("GDNKIT_TRITON_LAUNCH", raising=False)

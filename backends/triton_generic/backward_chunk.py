@@ -18,6 +18,7 @@ from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
 from .launch import launch
+from .sizes import cdiv, next_power_of_2
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64
@@ -119,8 +120,8 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     # registers (252 for the launches that ACCUMULATE), no spills (sm90 build, Triton 3.6; the later figures
     # from an offline build, triton.compile + cuobjdump -res-usage, pointers 16-byte aligned as launched).
     BK = min(BLOCK_K, K)
-    BV = min(64, triton.next_power_of_2(V))
-    NK = triton.cdiv(K, BK)
+    BV = min(64, next_power_of_2(V))
+    NK = cdiv(K, BK)
     dev = q.device
     # Per key head, summed in the kernels: per value head, fp32 dq and dk were the backward's largest buffers
     # (2 x 512 MiB at 16/32 1x32768), live with h and dh at its memory peak. The group's launches in turn

@@ -16,6 +16,7 @@ from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
 from .launch import launch
+from .sizes import cdiv, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -109,9 +110,9 @@ def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
     16-bit storage loses only the local part's own rounding (as FLA's dv) and halves its bytes and memory."""
     B, _, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
-    BV = min(64, triton.next_power_of_2(V))
+    BV = min(64, next_power_of_2(V))
     du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=q.dtype)
-    launch("local_du", q.dtype, local_du_kernel, (triton.cdiv(V, BV), grid_t, B * HV),
+    launch("local_du", q.dtype, local_du_kernel, (cdiv(V, BV), grid_t, B * HV),
         q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
         IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
     return du
@@ -129,7 +130,7 @@ def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_of
     dh = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dh0 = torch.empty(shape, device=dev, dtype=torch.float32) if want_dh0 else None
-    launch("reverse", k.dtype, backward_state_kernel, (triton.cdiv(V, BV), N * HV),
+    launch("reverse", k.dtype, backward_state_kernel, (cdiv(V, BV), N * HV),
         q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None,
         STORE_DH0=want_dh0, STATE_V_FIRST=state_v_first, STORE_DH=store, PREC=dot_precision(k.dtype))

@@ -15,6 +15,7 @@ from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
 from .launch import launch
+from .sizes import next_power_of_2
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64
@@ -113,7 +114,7 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     # per key head (offline build: triton.compile + cuobjdump -res-usage). A loop over the group's value heads
     # in one program spilled 352 bytes a thread: one launch per value head instead, as backward_chunk.
     BK = min(BLOCK_K, K)
-    BV = min(BLOCK_V, triton.next_power_of_2(V))
+    BV = min(BLOCK_V, next_power_of_2(V))
     dev = k.device
     dk = dkp  # each program reads its tile of the partial before writing the sum there
     dv = packed_output(v.shape, cu_seqlens, device=dev, dtype=v.dtype)

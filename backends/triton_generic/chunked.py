@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+
 import torch
-import triton
 
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
@@ -26,6 +26,7 @@ from .intra_chunk import intra_chunk
 from .output import output
 from .context_parallel import Segments
 from .state_pass import state_pass
+from .sizes import cdiv, next_power_of_2
 
 # "auto" | "always" | "never": whether the forward computes the output inside the state pass.
 FUSE_OUTPUT = "auto"
@@ -61,7 +62,7 @@ class Index:
 
 def make_index(B: int, T: int, cu_seqlens: torch.Tensor | None) -> Index:
     if cu_seqlens is None:
-        nt = triton.cdiv(T, CHUNK)
+        nt = cdiv(T, CHUNK)
         return Index(nt, B * nt, None, None)
     layout = seqlayout.sequence_layout(cu_seqlens)
     return Index(layout.n_chunks, layout.n_chunks, layout.chunk_indices, layout.chunk_offsets[:-1])
@@ -89,7 +90,7 @@ class Plan:
 
 
 def _widest(K: int, V: int) -> int:
-    return min(32 if K > 128 else 64, triton.next_power_of_2(V))
+    return min(32 if K > 128 else 64, next_power_of_2(V))
 
 
 def _layout(problem: Problem, cu_seqlens, device: torch.device) -> seqlayout.SequenceLayout:
@@ -100,13 +101,13 @@ def _layout(problem: Problem, cu_seqlens, device: torch.device) -> seqlayout.Seq
 def _segment_chunks(problem: Problem, cu_seqlens, device: torch.device, sms: int) -> int | None:
     if CP_SEGMENT_CHUNKS is not None:
         return CP_SEGMENT_CHUNKS or None
-    programs = problem.N * problem.HV * triton.cdiv(problem.V, _widest(problem.K, problem.V))
+    programs = problem.N * problem.HV * cdiv(problem.V, _widest(problem.K, problem.V))
     # the segment scan holds P [K, K] in fp32 on chip: fine to K = 128, too big at 256
     if sms == 0 or programs > CP_MAX_SM_SHARE * sms or problem.K > 128:
         return None
-    longest = max(triton.cdiv(n, CHUNK) for n in _layout(problem, cu_seqlens, device).lengths)
-    per_sequence = triton.cdiv(2 * sms, programs)
-    seg = max(CP_MIN_SEGMENT_CHUNKS, triton.cdiv(longest, per_sequence))
+    longest = max(cdiv(n, CHUNK) for n in _layout(problem, cu_seqlens, device).lengths)
+    per_sequence = cdiv(2 * sms, programs)
+    seg = max(CP_MIN_SEGMENT_CHUNKS, cdiv(longest, per_sequence))
     return seg if seg < longest else None
 
 
@@ -122,7 +123,7 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
     seg = _segment_chunks(problem, cu_seqlens, device, sms)
     segments = context_parallel.cut_segments(_layout(problem, cu_seqlens, device), seg) if seg else None
     n = segments.n_seg if segments is not None else problem.N
-    programs = lambda bv: n * problem.HV * triton.cdiv(problem.V, bv)  # noqa: E731
+    programs = lambda bv: n * problem.HV * cdiv(problem.V, bv)  # noqa: E731
     if not fusable:
         fuse = False
     elif FUSE_OUTPUT != "auto":

@@ -22,6 +22,7 @@ from gdnkit.seqlayout import SequenceLayout
 
 from ._common import CHUNK, state_tile
 from .launch import launch
+from .sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -66,8 +67,8 @@ def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
     # P [K, K] fp32 goes through shared memory: narrow S blocks keep it at ~80 KB (sm86/89 fit)
-    BV = min(16, triton.next_power_of_2(V))
-    launch("segment_scan", aug.dtype, segment_scan_kernel, (triton.cdiv(V, BV), N * HV),
+    BV = min(16, next_power_of_2(V))
+    launch("segment_scan", aug.dtype, segment_scan_kernel, (cdiv(V, BV), N * HV),
         aug, f, h0, s0, ht, seg_offsets, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
         STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None)
     return s0, ht

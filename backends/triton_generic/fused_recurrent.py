@@ -23,6 +23,8 @@ import triton.language as tl
 
 from gdnkit.problem import GDNInputs, Problem
 
+from .sizes import cdiv, next_power_of_2
+
 # State read: none (zeros), row n of a dense [N, ...] tensor, or a pool slot looked up in the indices.
 READ_NONE, READ_DENSE, READ_SLOT = 0, 1, 2
 # State write: none, dense final [N, ...], pool slot of the sequence (final), pool slot per token.
@@ -180,9 +182,9 @@ def launch_config(K: int, V: int, n_heads_total: int) -> tuple[int, int]:
     128 x 32 reached 3.65-3.75; 1 warp per 128 x 16 tile was fastest at B=1 (4.2 us), where only the
     spread over SMs matters. Small batches go narrower until ~512 programs cover the 132 SMs.
     """
-    BK = triton.next_power_of_2(K)
-    BV = max(8, min(triton.next_power_of_2(V), 8192 // BK))
-    while BV > 8 and n_heads_total * triton.cdiv(V, BV) < 512:
+    BK = next_power_of_2(K)
+    BV = max(8, min(next_power_of_2(V), 8192 // BK))
+    while BV > 8 and n_heads_total * cdiv(V, BV) < 512:
         BV //= 2
     num_warps = 4 if BK * BV >= 8192 else (2 if BK * BV >= 4096 else 1)
     return BV, num_warps
@@ -228,7 +230,7 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
     BV, warps = launch_config(K, V, N * HV)
     BV = block_v or BV
     warps = num_warps or warps
-    grid = N * HV * triton.cdiv(V, BV)
+    grid = N * HV * cdiv(V, BV)
     if grid == 0:
         return o, ht
     dummy = o  # never dereferenced: the constexpr flags compile its uses away
@@ -241,7 +243,7 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
         problem.scale, T, B * T, N,
         h0.stride(0) if problem.serving else 0, ht.stride(0) if write in (2, 3) else 0,
         slots.stride(0) if slots is not None else 0, slots.shape[1] if slots is not None and slots.dim() == 2 else 1,
-        H=problem.H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        H=problem.H, HV=HV, K=K, V=V, BK=next_power_of_2(K), BV=BV,
         IS_VARLEN=cu is not None, READ=read, WRITE=write, HAS_ACCEPTED=accepted is not None,
         QK_L2NORM=problem.use_qk_l2norm_in_kernel, GATE_IN_KERNEL=problem.use_gate_in_kernel,
         HAS_DT_BIAS=problem.has_dt_bias, BETA_SIGMOID=problem.use_beta_sigmoid_in_kernel,

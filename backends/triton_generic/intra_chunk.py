@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
 from .launch import launch
+from .sizes import next_power_of_2
 
 
 @triton.jit
@@ -201,6 +202,6 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
     w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
     launch("w_u", k.dtype, w_u_kernel, grid, k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV,
-           K=K, V=V, BK=min(64, K), BV=min(64, triton.next_power_of_2(V)), IS_VARLEN=varlen,
+           K=K, V=V, BK=min(64, K), BV=min(64, next_power_of_2(V)), IS_VARLEN=varlen,
            PREC=dot_precision(k.dtype))
     return gcum, tmat, w, u

@@ -10,6 +10,7 @@ from gdnkit.seqlayout import packed_output
 
 from ._common import chunk_rows, decay, dot_precision
 from .launch import launch
+from .sizes import cdiv, next_power_of_2
 
 # V columns per program; every program also forms its chunk's Q K^T, so wider blocks form it fewer times.
 # 128 at 4 warps: 16/64 1x32768 1.49 -> 1.04 ms against 64 (H200, 2026-11-30); at 2 warps 128 spills (8x slower)
@@ -55,9 +56,9 @@ def output(q, k, vnew, h, gcum, scale, T, grid_t, cu_seqlens, chunk_indices):
     B, _, H, K = q.shape
     HV, V = vnew.shape[2], vnew.shape[3]
     BK = min(64, K)
-    BV = min(BLOCK_V, triton.next_power_of_2(V))
+    BV = min(BLOCK_V, next_power_of_2(V))
     o = packed_output(vnew.shape, cu_seqlens, device=vnew.device, dtype=vnew.dtype)
-    launch("output", q.dtype, output_kernel, (triton.cdiv(V, BV), grid_t, B * HV),
+    launch("output", q.dtype, output_kernel, (cdiv(V, BV), grid_t, B * HV),
         q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
     return o

@@ -15,6 +15,7 @@ from gdnkit.seqlayout import packed_output
 
 from ._common import decay, dot_precision, sequence_bounds, state_tile
 from .launch import launch
+from .sizes import cdiv
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -107,7 +108,7 @@ def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_c
         assert h0 is None and not (fuse_output or store_h or store_vnew)
         ht = torch.empty(N, HV, K, V + K, device=dev, dtype=torch.float32)
         columns = V + K
-    launch("fused" if fuse_output else "state", k.dtype, state_pass_kernel, (triton.cdiv(columns, BV), N * HV),
+    launch("fused" if fuse_output else "state", k.dtype, state_pass_kernel, (cdiv(columns, BV), N * HV),
         q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None,
         STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, STORE_H=store_h, STORE_VNEW=store_vnew,
