@@ -82,7 +82,8 @@ def sum_head_groups(x: torch.Tensor, H: int, dtype: torch.dtype | None = None) -
 
 
 def sum_qk_head_groups(problem: Problem, dtypes: dict, dq: torch.Tensor, dk: torch.Tensor, H: int):
-    """Both backends' GVA sums of the per-value-head dq, dk [B, T, HV, K]: written in their inputs' dtypes
+    """Both backends' GVA sums of dq, dk [B, T, HV, K] over each q/k head's value heads (a cast alone where
+    the kernels already summed them, HV == H: triton_generic): written in their inputs' dtypes
     (input_dtypes), unless the l2norm backward still has to run on them (then fp32)."""
     if problem.use_qk_l2norm_in_kernel:
         return sum_head_groups(dq, H), sum_head_groups(dk, H)

@@ -171,4 +171,3 @@ def warmed_states(t: WarmupTables, m: list[int], boundary: torch.Tensor | None, 
             init[exact] = of_sequences([w.segments[i] for i in exact])
         out[list(w.segments)] = run(w, init)
     return out
-

@@ -91,7 +91,7 @@ def cut_segments(layout: SequenceLayout, seg_chunks: int) -> Segments:
     cu, chunk_off, seg_off = [], [], [0]
     chunk = 0
     for start, length in zip(layout.offsets[:-1], layout.lengths):
-        n_chunks = -(-length // CHUNK)
+        n_chunks = cdiv(length, CHUNK)
         for j in range(0, n_chunks, seg_chunks):
             cu.append(start + j * CHUNK)
             chunk_off.append(chunk + j)
