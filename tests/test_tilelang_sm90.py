@@ -616,6 +616,16 @@ def _backward_state_stand_in(has_dht, store_dh0):
     return run
 
 
+def _grads_in(grads_dt: str):
+    """The stand-in for a chunk_grads build that writes dq / dk in grads_dt: the buffers handed to it must be
+    of that dtype (the inputs' without l2norm in the kernel, fp32 with it)."""
+    def kernel(*args):
+        dq, dk = args[14], args[15]
+        assert str(dq.dtype) == f"torch.{grads_dt}" and dk.dtype == dq.dtype, (dq.dtype, grads_dt)
+        return _chunk_grads_stand_in(*args)
+    return kernel
+
+
 def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, table, dq, dk, dg, dbeta, scale):
     """What the per-chunk gradient kernel writes: the reference's chunk_local_grads on each chunk's rows, dq and
     dk summed over each key head's value heads in value head order."""
@@ -690,7 +700,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(calls, "backward_state_kernel", lambda H, HV, dt, has_dht, store_dh0, bv:
                         _backward_state_stand_in(has_dht, store_dh0)))
     monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
-                                                             lambda H, HV, dt: _chunk_grads_stand_in))
+                                                             lambda H, HV, dt, grads_dt: _grads_in(grads_dt)))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -992,7 +1002,7 @@ def test_chunk_grads_matches_reference_chunked_backward():
                                                                float(problem.scale))
         outs = [torch.full((1, T, H, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
-        bwd.chunk_grads_kernel(H, HV, dt)(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
+        bwd.chunk_grads_kernel(H, HV, dt, "float32")(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
                                           layout.cu_seqlens, layout.chunk_indices, *outs, float(problem.scale))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731

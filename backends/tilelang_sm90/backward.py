@@ -51,8 +51,8 @@ def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0:
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_grads_kernel(H: int, HV: int, dtype: str):
-    return _jit()[1](H, HV, dtype)
+def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
+    return _jit()[1](H, HV, dtype, grads_dtype=grads_dtype)
 
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
@@ -161,14 +161,18 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
             if empty:
                 dh0[empty] = 0.0 if dht is None else dht[empty]
 
-    # the parallel part, per value head
-    dq = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=torch.float32)
-    dk = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=torch.float32)
+    # the parallel part, per key head. dq / dk leave chunk_grads in the dtype they are returned in, rounded once
+    # after their fp32 sums (no cast pass, half the bytes), unless the l2norm backward still runs on them
+    qk = s.dtypes["q"] if s.dtypes["q"] == s.dtypes["k"] and not problem.use_qk_l2norm_in_kernel else torch.float32
+    qk, qk_tl = (qk, TORCH_TO_TL[qk]) if qk in TORCH_TO_TL else (torch.float32, "float32")
+    dq = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
+    dk = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
     dg = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
     hs = entering_states(problem, s)  # recomputed here unless the forward kept them (forward.KEEP_STATES)
-    chunk_grads_kernel(H, HV, dt)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
-                                  layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta, float(problem.scale))
+    chunk_grads_kernel(H, HV, dt, qk_tl)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
+                                         layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta,
+                                         float(problem.scale))
     # GVA: chunk_grads summed dq / dk over each key head's value heads (in value head order)
     dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)

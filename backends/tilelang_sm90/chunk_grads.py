@@ -32,7 +32,10 @@ THREADS = 256
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128):
+def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, V: int = 128,
+                        grads_dtype: str = "float32"):
+    """grads_dtype: what dq and dk are written in, the inputs' dtype where nothing follows but the cast to
+    it (each is summed in fp32 before the one rounding), fp32 where the l2norm backward still runs on them."""
     C = CHUNK
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128
@@ -59,8 +62,8 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
         dh: T.Tensor((num_chunks, HV, K, V), dtype),
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_indices: T.Tensor((num_chunks, 2), "int32"),
-        dq: T.Tensor((1, num_tokens, H, K), accum),
-        dk: T.Tensor((1, num_tokens, H, K), accum),
+        dq: T.Tensor((1, num_tokens, H, K), grads_dtype),
+        dk: T.Tensor((1, num_tokens, H, K), grads_dtype),
         dg: T.Tensor((1, num_tokens, HV), accum),
         dbeta: T.Tensor((1, num_tokens, HV), accum),
         scale: T.float32,
@@ -267,7 +270,7 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
 
             for i, j in T.Parallel(C, K):
                 if i < n_valid:
-                    dq[0, t0 + i, hk, j] = dq_acc[i, j]
-                    dk[0, t0 + i, hk, j] = dk_acc[i, j]
+                    dq[0, t0 + i, hk, j] = T.cast(dq_acc[i, j], grads_dtype)
+                    dk[0, t0 + i, hk, j] = T.cast(dk_acc[i, j], grads_dtype)
 
     return gdn_chunk_grads
