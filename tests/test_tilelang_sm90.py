@@ -616,21 +616,35 @@ def _backward_state_stand_in(has_dht, store_dh0):
     return run
 
 
+def _grads_in(grads_dt: str):
+    """The stand-in for a chunk_grads build that writes dq / dk in grads_dt: the buffers handed to it must be
+    of that dtype (the inputs' without l2norm in the kernel, fp32 with it)."""
+    def kernel(*args):
+        dq, dk = args[14], args[15]
+        assert str(dq.dtype) == f"torch.{grads_dt}" and dk.dtype == dq.dtype, (dq.dtype, grads_dt)
+        return _chunk_grads_stand_in(*args)
+    return kernel
+
+
 def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, table, dq, dk, dg, dbeta, scale):
-    """What the per-chunk gradient kernel writes: the reference's chunk_local_grads on each chunk's rows."""
+    """What the per-chunk gradient kernel writes: the reference's chunk_local_grads on each chunk's rows, dq and
+    dk summed over each key head's value heads in value head order."""
     from gdnkit.backends.reference.chunked_backward import chunk_local_grads
     grp = v.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
         m = min(int(cu[seq + 1]) - t0, 64)
-        for hv in range(v.shape[2]):
-            rows = lambda x: x[0, t0:t0 + m, hv].double()  # noqa: E731
-            qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
-            got = chunk_local_grads(qq, kk, rows(v), rows(do), rows(beta), gamma[hv, row, :m].double(),
-                                    tm[0, t0:t0 + m, hv, :m].double(), h[row, hv].double(), rows(du), rows(dx),
-                                    dh[row, hv].double(), scale)
-            for out, x in zip((dq, dk, dg, dbeta), got):
-                out[0, t0:t0 + m, hv] = x.float()
+        for hk in range(k.shape[2]):
+            sums = [0.0, 0.0]
+            for hv in range(hk * grp, (hk + 1) * grp):
+                rows = lambda x: x[0, t0:t0 + m, hv].double()  # noqa: E731
+                qq, kk = q[0, t0:t0 + m, hk].double(), k[0, t0:t0 + m, hk].double()
+                got = chunk_local_grads(qq, kk, rows(v), rows(do), rows(beta), gamma[hv, row, :m].double(),
+                                        tm[0, t0:t0 + m, hv, :m].double(), h[row, hv].double(), rows(du), rows(dx),
+                                        dh[row, hv].double(), scale)
+                sums = [sums[0] + got[0], sums[1] + got[1]]
+                dg[0, t0:t0 + m, hv], dbeta[0, t0:t0 + m, hv] = got[2].float(), got[3].float()
+            dq[0, t0:t0 + m, hk], dk[0, t0:t0 + m, hk] = sums[0].float(), sums[1].float()
 
 
 def _recorded(calls: list, name: str, factory):
@@ -686,7 +700,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(calls, "backward_state_kernel", lambda H, HV, dt, has_dht, store_dh0, bv:
                         _backward_state_stand_in(has_dht, store_dh0)))
     monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
-                                                             lambda H, HV, dt: _chunk_grads_stand_in))
+                                                             lambda H, HV, dt, grads_dt: _grads_in(grads_dt)))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -952,8 +966,8 @@ def test_backward_state_matches_reference_chunked_backward():
 @pytest.mark.gpu
 def test_chunk_grads_matches_reference_chunked_backward():
     """The backward's per-chunk kernel alone, fed by the training forward (Tb, T, gamma, S0 per chunk) and the
-    reverse pass (dS_end, dU, dX), against chunk_local_grads in float64 via chunked_gdn_backward: dq, dk per
-    value head, dg, dbeta; one sequence of 200 tokens (a chunk tail of 8), GVA 2 -> 4."""
+    reverse pass (dS_end, dU, dX), against chunk_local_grads in float64 via chunked_gdn_backward: dq, dk summed
+    over each key head's value heads, dg, dbeta; one sequence of 200 tokens (a chunk tail of 8), GVA 2 -> 4."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -986,15 +1000,17 @@ def test_chunk_grads_matches_reference_chunked_backward():
         bwd.backward_state_kernel(H, HV, dt, True, False, 64)(q, k, got["a"], do, gamma, layout.cu_seqlens,
                                                                layout.chunk_offsets, dht, du, dv, dh, stub,
                                                                float(problem.scale))
-        outs = [torch.full((1, T, HV, K), float("nan"), device=dev) for _ in range(2)]
+        outs = [torch.full((1, T, H, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
-        bwd.chunk_grads_kernel(H, HV, dt)(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
+        bwd.chunk_grads_kernel(H, HV, dt, "float32")(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
                                           layout.cu_seqlens, layout.chunk_indices, *outs, float(problem.scale))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
                                    do.double(), dht=dht.double())
-    for name, out, want in zip(("dq", "dk", "dg", "dbeta"), outs, (ref.dq, ref.dk, ref.dg, ref.dbeta)):
+    group_sum = lambda x: x.view(1, T, H, HV // H, K).sum(3)  # noqa: E731
+    for name, out, want in zip(("dq", "dk", "dg", "dbeta"), outs, (group_sum(ref.dq), group_sum(ref.dk), ref.dg,
+                                                                   ref.dbeta)):
         assert not out.isnan().any(), name
         assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
 

@@ -4,11 +4,11 @@
                        (forward.entering_states; kept from the forward instead with forward.KEEP_STATES)
     backward_state.py  per (sequence, value head, V tile), chunks right to left: dS on chip; stores every
                        chunk's dS_end (dh), dU, dX (= dV) and dh0
-    chunk_grads.py     per (chunk, value head), in parallel: dq, dk (per value head), dg, dbeta from S0,
-                       dS_end, dU and dX
+    chunk_grads.py     per (chunk, key head), in parallel, its value heads in turn: dq, dk (summed over the
+                       value heads), dg, dbeta from S0, dS_end, dU and dX
 
-then GVA's sum of dq / dk over the value heads of each q/k head (a fixed order: bitwise repeatable; no float
-atomics anywhere), and the options' prologue undone (gdnkit.prologue). backends/reference/chunked_backward.py
+then the options' prologue undone (gdnkit.prologue). GVA's sums of dq / dk happen in chunk_grads, in value
+head order (bitwise repeatable; no float atomics anywhere). backends/reference/chunked_backward.py
 is the definition every stage is checked against.
 
 Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a warm-up over
@@ -51,8 +51,8 @@ def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0:
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_grads_kernel(H: int, HV: int, dtype: str):
-    return _jit()[1](H, HV, dtype)
+def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
+    return _jit()[1](H, HV, dtype, grads_dtype=grads_dtype)
 
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
@@ -161,16 +161,20 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
             if empty:
                 dh0[empty] = 0.0 if dht is None else dht[empty]
 
-    # the parallel part, per value head
-    dq = seqlayout.packed_output((1, total, HV, K), layout.cu_seqlens, device=dev, dtype=torch.float32)
-    dk = seqlayout.packed_output((1, total, HV, K), layout.cu_seqlens, device=dev, dtype=torch.float32)
+    # the parallel part, per key head. dq / dk leave chunk_grads in the dtype they are returned in, rounded once
+    # after their fp32 sums (no cast pass, half the bytes), unless the l2norm backward still runs on them
+    qk = s.dtypes["q"] if s.dtypes["q"] == s.dtypes["k"] and not problem.use_qk_l2norm_in_kernel else torch.float32
+    qk, qk_tl = (qk, TORCH_TO_TL[qk]) if qk in TORCH_TO_TL else (torch.float32, "float32")
+    dq = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
+    dk = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
     dg = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
     hs = entering_states(problem, s)  # recomputed here unless the forward kept them (forward.KEEP_STATES)
-    chunk_grads_kernel(H, HV, dt)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
-                                  layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta, float(problem.scale))
-    # GVA: the value heads of one q/k head are adjacent (hv // (HV / H)); summed in a fixed order
-    dq, dk = prologue.sum_qk_head_groups(problem, s.dtypes, dq.view(B, T, HV, K), dk.view(B, T, HV, K), H)
+    chunk_grads_kernel(H, HV, dt, qk_tl)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
+                                         layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta,
+                                         float(problem.scale))
+    # GVA: chunk_grads summed dq / dk over each key head's value heads (in value head order)
+    dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
                                                            s.dt_bias)

@@ -47,7 +47,8 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
                  for h0, ht, bv in itertools.product(flags, flags, WS_BLOCK_V)]
         jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv))
                  for dht, dh0, bv in itertools.product(flags, flags, WS_BLOCK_V)]
-        jobs.append(Job("backward", "chunk_grads_kernel", (H, HV, dtype)))
+        # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
+        jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]
     return jobs
 
 
