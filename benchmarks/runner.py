@@ -171,6 +171,20 @@ def _cleanup(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _open_matmul_workspaces(device: torch.device) -> None:
+    """cuBLAS keeps a workspace per handle, one handle per thread, from its first matmul on (memory_allocated
+    counts them: 32 MiB for the main thread's on the H200). The float64 reference's first forward and backward
+    (the autograd engine's thread) made them in the middle of the first point, so every row after that point's
+    first implementation carried 64 MiB in its peak and that one did not (session 9: 4/8 1x8192's gdnkit row
+    over FLA's for that alone). Made here, on both threads, every row carries them."""
+    if device.type != "cuda":
+        return
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+
+
 class Runner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -215,20 +229,20 @@ class Runner:
 
     # -- accuracy ----------------------------------------------------------------------------
     def _accuracy_problem(self, point: Point) -> tuple[ChunkInputs, list[torch.Tensor]]:
-        """The small problem of this (pass, head config) and its float64 truth (computed once)."""
+        """The small problem of this (pass, head config), made afresh from its seed, and its float64 truth
+        (computed once, kept on the host: left on the device, every later measurement's peak memory counted it)."""
+        grid = self.cfg.grid
+        seed = seed_for(Point(point.pass_, point.H, point.HV, grid.accuracy_seqlens, K=point.K, V=point.V),
+                        "accuracy")
+        if point.pass_ == "decode":
+            inp = make_decode_inputs(grid.accuracy_decode_B, point.H, point.HV, point.K, point.V, self.device, seed)
+        else:
+            inp = make_chunk_inputs(point.H, point.HV, grid.accuracy_seqlens, point.K, point.V, self.device,
+                                    seed, with_do=point.pass_ == "bwd")
         key = (point.pass_, point.H, point.HV, point.K, point.V)
         if key not in self._ref_cache:
-            grid = self.cfg.grid
-            seed = seed_for(Point(point.pass_, point.H, point.HV, grid.accuracy_seqlens, K=point.K, V=point.V),
-                            "accuracy")
-            if point.pass_ == "decode":
-                inp = make_decode_inputs(grid.accuracy_decode_B, point.H, point.HV, point.K, point.V,
-                                         self.device, seed)
-            else:
-                inp = make_chunk_inputs(point.H, point.HV, grid.accuracy_seqlens, point.K, point.V, self.device,
-                                        seed, with_do=point.pass_ == "bwd")
-            self._ref_cache[key] = (inp, accuracy.reference_outputs(inp, point.pass_))
-        return self._ref_cache[key]
+            self._ref_cache[key] = [r.cpu() for r in accuracy.reference_outputs(inp, point.pass_)]
+        return inp, self._ref_cache[key]
 
     def _accuracy(self, impl: Impl, point: Point) -> float | None:
         key = (point.pass_, point.H, point.HV, point.K, point.V, impl.name)
@@ -257,6 +271,9 @@ class Runner:
         dev, cfg = self.device, self.cfg
         first = fns["main"][0]()  # compiles / autotunes; raises Unsupported early
         del first
+        # what was resident when the peak was taken (inputs, caches, anything an earlier point left): the
+        # peak less this is the call's own footprint, comparable across runs whatever ran before
+        resident = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
         peak = timing.peak_memory(fns["main"][0], dev)
         out = _as_list(fns["main"][0]())  # kept for the cross-implementation comparison
         eager = timing.time_eager(fns["main"], dev, reps=cfg.reps)
@@ -281,6 +298,7 @@ class Runner:
                               fwdbwd_eager_ms=eager, fwd_train_eager_ms=fwd_eager)
             kernel_ms, eager_ms = kern.median_ms - fwd_kern.median_ms, eager - fwd_eager
         extras: dict[str, Any] = {"timing": kern.method, "timing_note": kern.note, "spread": round(kern.spread, 4),
+                                  "resident_mem_bytes": resident,
                                   "samples": len(kern.samples_ms), "input_sets": len(sets), "run": cfg.run_id,
                                   **bwd_extras}
         if cfg.stages:
@@ -294,6 +312,7 @@ class Runner:
     # -- the grid ----------------------------------------------------------------------------
     def run(self) -> Outcome:
         cfg = self.cfg
+        _open_matmul_workspaces(self.device)
         points = list(cfg.grid.points)
         bar = _progress(points, cfg.progress)
         for point in bar:

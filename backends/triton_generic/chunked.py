@@ -212,7 +212,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
             dh0 = dht.clone() if dht is not None else torch.zeros(problem.state_shape, device=q.device)
     else:
         _, tmat, w, u = intra_chunk(k, v, None, beta, T, index.grid_t, cu, index.chunk_indices, gcum=gcum,
-                                    tmat=saved.tmat)
+                                    tmat=saved.tmat, precise_u=True)
         p = plan(problem, cu, v.device, fusable=False)
         _, h, vnew, _, aug = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=True, want_ht=False)
         del u
@@ -229,11 +229,13 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
             ds_end, dh0 = context_parallel.segment_scan(aug, dht, sg.seg_offsets, N, HV, K, V,
                                                         problem.state_v_first, problem.has_initial_state,
                                                         dot_precision(k.dtype), f=f)
+            # the segments' [E | P] and F are dead: freed before dS is allocated (bwd 4/8 1x8192: -24 MiB at
+            # that moment, one of the backward's two equal memory peaks)
+            del f, aug
             dh, du, _ = backward_state(q, k, w, gcum, do, du, ds_end, problem.scale, T, sg.n_seg, sg.cu_seqlens,
                                        sg.chunk_offsets, index.n_chunks, False, False, BV=p.block_v)
-            del f, ds_end
-        # W and the segments' [E | P] are dead from here: freed before the per-chunk kernels' outputs exist
-        del w, aug
+            del ds_end
+        del w  # dead before the per-chunk kernels' outputs exist
         dq, dkp, dw, dgp = backward_chunk(q, k, vnew, h, dh, gcum, do, du, problem.scale, T, index.grid_t, cu,
                                           index.chunk_indices)
         del h, dh, vnew

@@ -142,7 +142,8 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
 @triton.jit(do_not_specialize=["T"])
 def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+               BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+               SPLIT_U: tl.constexpr):
     """W = T diag(beta Gamma) K and U' = T diag(beta) V from the stored T (tmat) and gamma (gcum): the
     forward's third launch, and the backward's recomputation of W and U' from a T the forward kept."""
     pid_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -171,14 +172,20 @@ def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
     for iv in tl.static_range(0, V, BV):
         cv = iv + tl.arange(0, BV)
         mv = cv < V
-        vv = _load_rows(vb, r, m, HV * V, cv, mv).to(tl.float32)
-        uu = tl.dot(tt.to(dt), (vv * bt[:, None]).to(dt), input_precision=PREC)
+        vv = _load_rows(vb, r, m, HV * V, cv, mv).to(tl.float32) * bt[:, None]
+        v_hi = vv.to(dt)
+        uu = tl.dot(tt.to(dt), v_hi, input_precision=PREC)
+        if SPLIT_U:
+            uu += tl.dot(tt.to(dt), (vv - v_hi.to(tl.float32)).to(dt), input_precision=PREC)
         tl.store(ub + r[:, None] * (HV * V) + cv[None, :], uu.to(dt), mask=m[:, None] & mv[None, :])
 
 
-def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, tmat=None):
+def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, tmat=None, precise_u=False):
     """Launch over (chunks, B*HV). g is the raw per-token log gate unless gcum (log2 units) is given. With
-    tmat (T as an earlier call returned it, gcum given too) only W and U' are recomputed from it.
+    tmat (T as an earlier call returned it, gcum given too) only W and U' are recomputed from it. precise_u
+    (16-bit inputs): U' = T (beta V) with beta V's rounding error carried by a second product, T (beta V - hi),
+    instead of dropped: the backward's dg is that rounding's most sensitive consumer (test_gpu_options_gradients_bf16
+    at K = 256: dg 9.9e-3 -> 6.6e-3 in the bf16-faithful interpreter; dq, dk 10% lower), W's does not matter there.
 
     Returns (gcum [B,T,HV] fp32 log2 units, T matrices [B,T,HV,64] in k's dtype, W [B,T,HV,K], U' [B,T,HV,V])."""
     B, _, H, K = k.shape
@@ -203,5 +210,5 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
     launch("w_u", k.dtype, w_u_kernel, grid, k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV,
            K=K, V=V, BK=min(64, K), BV=min(64, next_power_of_2(V)), IS_VARLEN=varlen,
-           PREC=dot_precision(k.dtype))
+           PREC=dot_precision(k.dtype), SPLIT_U=precise_u and k.dtype != torch.float32)
     return gcum, tmat, w, u
