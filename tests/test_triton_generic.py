@@ -117,6 +117,21 @@ def test_fixed_length_with_state(fuse):
     check(make_call(130, 1, 2, 32, 32, B=2), fuse=fuse)
 
 
+@pytest.mark.parametrize("segment_chunks", [None, 1])
+def test_forward_and_backward_read_only_what_they_wrote(segment_chunks, request):
+    """Every buffer the forward and the backward allocate comes NaN-filled (conftest.poisoned_empty), so a
+    kernel that reads an element no program wrote (a tail chunk's rows or columns past the sequence, a partial
+    sum no program made) turns an output NaN even where the arithmetic multiplies it by zero. A chunk tail,
+    GVA, initial state and dht; plain and context-parallel (one-chunk segments)."""
+    call = make_call(150, 2, 4, 32, 32, B=1)
+    o_ref, ht_ref, g_ref, do, dht = reference(call)
+    request.getfixturevalue("poisoned_empty")  # after the reference: only the backend's buffers
+    o, ht, grads = run_backend(call, torch.float32, do, dht, segment_chunks=segment_chunks)
+    errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref), **{f"d{n}": rel(grads[n], g_ref[n]) for n in g_ref}}
+    bound = 2e-5 if DEVICE == "cpu" else 1e-4
+    assert all(e < bound for e in errs.values()), f"errors (NaN: a read of unwritten memory): {errs}"
+
+
 def test_gva_varlen_odd_and_empty_sequences():
     check(make_call(200, 2, 4, 32, 32, lengths=[37, 0, 93, 1, 69]), fuse="never")
 
