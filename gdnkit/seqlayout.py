@@ -96,9 +96,10 @@ def packed_output(shape, cu_seqlens: torch.Tensor | None, *, token_dim: int = 1,
     out = torch.empty(shape, **kwargs)
     if cu_seqlens is not None:
         batch_dim = token_dim - 1
-        tokens = out.flatten(batch_dim, token_dim)
         end = host_offsets(cu_seqlens)[-1]
-        tokens.narrow(batch_dim, end, tokens.shape[batch_dim] - end).zero_()
+        past = shape[batch_dim] * shape[token_dim] - end
+        if past:  # the usual packed call has none: three host ops saved, 8 times a training call
+            out.flatten(batch_dim, token_dim).narrow(batch_dim, end, past).zero_()
     return out
 
 
