@@ -10,7 +10,9 @@ passes=${1:-fwd,bwd,decode}
 budget=${2:-290}
 mkdir -p "$OUT/h200"
 cp benchmarks/results/h200/*.json "$OUT/h200/" 2>/dev/null
-timeout 190 python -m pytest -q -p no:cacheprovider --tb=short --durations=8 -m gpu \
+# SIGINT, not SIGTERM, at the limit: pytest then still prints the failures it has met (a test killed by
+# SIGTERM takes every earlier failure's message with it; session 9 lost two that way)
+timeout -s INT -k 30 190 python -m pytest -q -rf -p no:cacheprovider --tb=short --durations=8 -m gpu \
     tests/test_tilelang_sm90.py tests/test_triton_generic.py tests/test_decode.py tests/test_gpu.py \
     tests/test_cross_backend.py \
     > "$OUT/gpu_tests.txt" 2>&1 &
@@ -19,6 +21,6 @@ timeout $((budget + 250)) python -m gdnkit bench --grid quick --passes "$passes"
     --budget-s "$budget" --no-progress --out "$OUT/h200" > "$OUT/bench.txt" 2>&1
 echo "bench rc=$?"
 wait $tests
-echo "tests rc=$? (124: cut at 190 s)"
+echo "tests rc=$? (124: interrupted at 190 s, the failures so far listed)"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -25
 grep -vE "TileLang|Warning|^ *(\[|-->|Initialize)" "$OUT/bench.txt" | tail -70
