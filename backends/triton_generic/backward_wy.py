@@ -59,8 +59,8 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
     # K K^T in a loop of its own that Triton does not software-pipeline (static_range): inside the pipelined
     # loop below, Triton 3.6's sm90 build left this product's wgmma in flight (its only wait after the loop)
     # while the loop's predicated-off prefetch zero-filled the very shared-memory slot it read (a two-slot ring;
-    # TTGIR, offline build at 4 warps / 3 stages). dbeta and dg, its only consumers, then differed between
-    # identical calls on the H200 (session 9)
+    # TTGIR, offline build at 4 warps / 3 stages): dbeta and dg, its only consumers, differed between identical
+    # calls on the H200 (session 9; this form not yet run there)
     kkt = tl.zeros([64, 64], dtype=tl.float32)
     for ik in tl.static_range(0, K, BK):
         ck = ik + tl.arange(0, BK)
