@@ -52,7 +52,7 @@ for name in sys.argv[1:]:
            else "*i32" if n in INT32 else "*fp32" if n in FP32 else "*bf16" for n in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n].startswith("*")}
     options = launch.settings(name, torch.bfloat16)
-    build = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 64), options=options)
+    build = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     out[name] = (build.asm["ttgir"], options["num_stages"])
 print(json.dumps(out))
 """
