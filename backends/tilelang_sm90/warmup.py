@@ -69,45 +69,20 @@ def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int],
                         tuple(seg_chunk_rows), tuple(end_rows))
 
 
-def log_norm_bound(g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """log b_t per token and value head [tokens, HV] in float64, from the kernels' inputs g, beta [1, tokens, HV]
-    (natural-log gates) and k [1, tokens, H, K]."""
-    HV, H = g.shape[-1], k.shape[2]
-    kf = k[0].float()
-    kk = (kf * kf).sum(-1).double().repeat_interleave(HV // H, dim=1)     # ||k_t||^2 per value head
-    stretch = (1 - beta[0].double() * kk).abs().clamp_min(1.0).log()
-    return g[0].double() + stretch
-
-
 def warmup_chunks(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, limit: int,
                   reverse: bool = False) -> torch.Tensor:
     """[n_seg] int64 on the device: the fewest whole chunks before each segment (reverse: after it) whose bound
     is below LOG_BOUND for every head, or all of them to the sequence's start (end) -- exact -- or limit + 1
     where that takes more than `limit` chunks. 0 for a sequence's first (last) segment. The backward's dS
-    chain runs the transposes of the same per-token maps, so the same norms bound it.
+    chain runs the transposes of the same per-token maps, so the same norms bound it. Per token and value head
+    the bound's log is log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|) (natural-log gates g, beta
+    [1, tokens, HV]; k [1, tokens, H, K]), summed in float64.
 
-    Only the `limit` chunks next to each segment are read: they are gathered, their bounds summed per chunk,
-    and those sums accumulated away from the segment (a prefix sum over all tokens instead, torch's scan
-    along a long outer dimension, took 5.7 ms at 32768 tokens on the H200)."""
-    dev = g.device
-    n_seg, span = t.starts.shape[0], limit * CHUNK
-    step = torch.arange(span, device=dev)
-    if reverse:                                                   # tokens [end, end + span), the tail's
-        tok = t.ends[:, None] + step[None, :]                     # tokens past the sequence's end add 0
-        inside = tok < t.seq_ends[:, None]
-    else:                                                         # tokens start - 1, start - 2, ...
-        tok = t.starts[:, None] - 1 - step[None, :]
-        inside = tok >= (t.starts - CHUNK * t.before)[:, None]
-    tok = tok.clamp(0, g.shape[1] - 1).flatten()
-    log_b = log_norm_bound(g[:, tok], k[:, tok], beta[:, tok]).view(n_seg, span, -1)
-    log_b = log_b.masked_fill(~inside[..., None], 0.0)
-    log_norm = log_b.view(n_seg, limit, CHUNK, -1).sum(2).cumsum(1)   # [n_seg, limit, HV]: m = 1 .. limit
-    m = torch.arange(1, limit + 1, device=dev)
-    avail = t.after if reverse else t.before
-    valid = m[None, :] <= avail[:, None]
-    ok = valid & ((log_norm <= LOG_BOUND).all(-1) | (m[None, :] == avail[:, None]))
-    first = torch.where(ok.any(1), ok.to(torch.int8).argmax(1) + 1, torch.full_like(avail, limit + 1))
-    return torch.where(avail == 0, torch.zeros_like(first), first)
+    Only the `limit` chunks next to each segment are read, by one program per segment (warmup_bound.py; a
+    prefix sum over all tokens instead, torch's scan along a long outer dimension, took 5.7 ms at 32768 tokens
+    on the H200)."""
+    from .warmup_bound import warmup_chunks as search
+    return search(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, limit, reverse, LOG_BOUND)
 
 
 def warmup_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, limit: int,
