@@ -54,7 +54,7 @@ def _run(S, k, v, g, beta, lo, hi):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), limit=st.integers(1, 6),
+@given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), limit=st.integers(0, 6),
        rates=st.lists(st.sampled_from([1e-4, 0.05, 0.2, 1.0]), min_size=2, max_size=2),
        key_norm=st.sampled_from([1.0, 1.6]), beta_max=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
 def test_warmup_states_are_within_the_bound_and_shortest(n_chunks, seg, limit, rates, key_norm, beta_max, seed):
@@ -101,7 +101,7 @@ def test_warmup_states_are_within_the_bound_and_shortest(n_chunks, seg, limit, r
 
 
 @settings(max_examples=25, deadline=None)
-@given(n_chunks=st.integers(3, 9), seg=st.integers(1, 4), limit=st.integers(1, 8), first=st.integers(1, 3),
+@given(n_chunks=st.integers(3, 9), seg=st.integers(1, 4), limit=st.integers(0, 8), first=st.integers(1, 3),
        rate=st.sampled_from([1e-3, 0.1, 0.3, 1.0]), reverse=st.booleans(), seed=st.integers(0, 2**16))
 def test_lengths_from_a_first_window_equal_the_full_search(n_chunks, seg, limit, first, rate, reverse, seed):
     """warmup_lengths reads a short window first and the whole `limit` only where that leaves a segment unsettled:
@@ -121,7 +121,7 @@ def test_lengths_from_a_first_window_equal_the_full_search(n_chunks, seg, limit,
 
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 5 * CHUNK), min_size=1, max_size=3), seg=st.integers(1, 3),
-       limit=st.integers(1, 6), heads=st.sampled_from([(1, 1), (1, 3), (2, 4), (2, 6)]), K=st.sampled_from([8, 24]),
+       limit=st.integers(0, 6), heads=st.sampled_from([(1, 1), (1, 3), (2, 4), (2, 6)]), K=st.sampled_from([8, 24]),
        rate=st.sampled_from([1e-3, 0.05, 0.2, 0.3, 1.0]), beta_max=st.sampled_from([1.0, 2.0]), reverse=st.booleans(),
        seed=st.integers(0, 2**16))
 # three value heads padded to four, settled by the bound after one chunk, both directions: a padding head that
@@ -173,7 +173,7 @@ def _run_back(D, k, F, g, beta, hi, lo):
 
 
 @settings(max_examples=20, deadline=None)
-@given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), limit=st.integers(1, 6),
+@given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), limit=st.integers(0, 6),
        rates=st.lists(st.sampled_from([1e-4, 0.05, 0.2, 1.0]), min_size=2, max_size=2),
        beta_max=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
 def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, limit, rates, beta_max, seed):
