@@ -129,7 +129,7 @@ def test_lengths_from_a_first_window_equal_the_full_search(n_chunks, seg, limit,
 @example(lengths=[129], seg=1, limit=1, heads=(1, 3), K=8, rate=1.0, beta_max=1.0, reverse=False, seed=0)
 @example(lengths=[129], seg=1, limit=1, heads=(1, 3), K=8, rate=1.0, beta_max=1.0, reverse=True, seed=0)
 def test_the_search_kernel_matches_its_definition(lengths, seg, limit, heads, K, rate, beta_max, reverse, seed):
-    """warmup_chunks (one Triton program per segment, warmup_bound.py) against the definition in PyTorch:
+    """warmup_chunks (two Triton launches, warmup_bound.py) against the definition in PyTorch:
     several sequences with tails, grouped heads, a K that is not a power of two, keys of norm up to 1.6 and
     beta up to 2 (stretching maps), both directions."""
     gen = torch.Generator().manual_seed(seed)

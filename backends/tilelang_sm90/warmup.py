@@ -78,9 +78,9 @@ def warmup_chunks(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch
     the bound's log is log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|) (natural-log gates g, beta
     [1, tokens, HV]; k [1, tokens, H, K]), summed in float64.
 
-    Only the `limit` chunks next to each segment are read, by one program per segment (warmup_bound.py; a
-    prefix sum over all tokens instead, torch's scan along a long outer dimension, took 5.7 ms at 32768 tokens
-    on the H200)."""
+    Only the `limit` chunks next to each segment are read, in two launches (warmup_bound.py: chunk sums in
+    parallel, then the search per segment; a prefix sum over all tokens instead, torch's scan along a long outer
+    dimension, took 5.7 ms at 32768 tokens on the H200)."""
     from .warmup_bound import warmup_chunks as search
     return search(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, limit, reverse, LOG_BOUND)
 

@@ -1,10 +1,15 @@
-"""warmup.warmup_chunks as one Triton launch: per segment, the fewest chunks next to it whose summed norm bound
+"""warmup.warmup_chunks in two Triton launches: per segment, the fewest chunks next to it whose summed norm bound
 is below LOG_BOUND for every value head (warmup.py says why that bound suffices).
 
-The PyTorch form of the same search (gathers of the window's g, beta and k, float64 casts and bounds, a sum per
-chunk, a cumulative sum, the first chunk where every head is settled) was ~35 small ops a call, twice a training
-call: ~0.1 ms of device time in ~50 launches and as many host dispatches at 4/8 1x8192 (H200, session 9),
-where the whole backward takes 0.37 ms. One program per segment walks its window a chunk at a time instead.
+    1. chunk sums, one program per (segment, window chunk, key head): the chunk's 64 tokens at once, the bound's
+       log summed per value head of the key head's group (float64) into sums [n_seg, limit, HV];
+    2. the search, one program per segment: running sums over its window's chunks, nearest first, and the first
+       chunk count where every head is settled.
+
+History (H200, session 10): one program per segment walking its window 16 tokens and one key head at a time cost
+0.13-0.40 ms a call (4/8 1x8192 to 16/32 1x32768, eager), latency-bound: ~16 dependent small loads per chunk and
+head. The PyTorch form before it (gathers, float64 casts, a sum per chunk, a cumulative sum, all/argmax) was ~35
+small ops and two host reads a call. Here the loads are spread over programs and each is one 64-token tile.
 
 Imported only where context parallelism runs (context_parallel.available: triton importable)."""
 from __future__ import annotations
@@ -14,56 +19,54 @@ import triton
 import triton.language as tl
 
 CHUNK = tl.constexpr(64)  # a jit-visible global must be constexpr (the interpreter does not check it)
-# tokens a step: 64 made [64, HV] float64 tiles that spilled 1.6-5 KB a thread, and unrolled loops over the rows
-# and key heads still 0.4-1.4 KB; 16 rows with both loops rolled: 162-219 registers, no spills (sm90, Triton
-# 3.6, offline builds at 2/6, 4/8, 16/64)
-ROWS = tl.constexpr(16)
 
 
 @triton.jit
-def _warmup_chunks_kernel(g, k, beta, starts, ends, seq_ends, before, after, out, limit, n_tok,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, HVP: tl.constexpr,
-                          KP: tl.constexpr, REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
-    """Segment j: its window's chunks m = 1 .. limit, away from it (before it; after it with REVERSE). Per
-    token and value head log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|) in float64 (||k_t||^2 in fp32, as
-    warmup.log_norm_bound), tokens outside the sequence adding 0; the answer is the first m whose running sum
-    is <= LOG_BOUND for every head, or m = the chunks available (exact), or limit + 1; 0 where none are."""
+def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
+                         REVERSE: tl.constexpr):
+    """sums[j, m, hv] = sum over chunk m away from segment j (before it; after it with REVERSE) of
+    log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|), float64 (||k_t||^2 in fp32, as warmup.log_norm_bound);
+    tokens outside the sequence add 0."""
+    j = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    h = tl.program_id(2)
+    GROUP: tl.constexpr = HV // H
+    row = tl.arange(0, CHUNK).to(tl.int64)
+    if REVERSE:
+        tok = tl.load(ends + j) + m * CHUNK + row
+        inside = tok < tl.load(seq_ends + j)
+    else:
+        start = tl.load(starts + j)
+        tok = start - 1 - m * CHUNK - row
+        inside = tok >= start - CHUNK * tl.load(before + j)
+    tok = tl.minimum(tl.maximum(tok, 0), n_tok - 1)
+    ck = tl.arange(0, KP)
+    kt = tl.load(k + (tok[:, None] * H + h) * K + ck[None, :], mask=(ck < K)[None, :], other=0.0).to(tl.float32)
+    kk = tl.sum(kt * kt, 1)
+    gi = tl.arange(0, GP)
+    mg = gi < GROUP
+    hv = h * GROUP + gi
+    gg = tl.load(g + tok[:, None] * HV + hv[None, :], mask=mg[None, :], other=0.0).to(tl.float64)
+    bb = tl.load(beta + tok[:, None] * HV + hv[None, :], mask=mg[None, :], other=0.0).to(tl.float64)
+    stretch = tl.log(tl.maximum(tl.abs(1.0 - bb * kk.to(tl.float64)[:, None]), 1.0))
+    s = tl.sum(tl.where(inside[:, None], gg + stretch, 0.0), 0)
+    tl.store(sums + (j * limit + m) * HV + hv, s, mask=mg)
+
+
+@triton.jit
+def _first_settled_kernel(sums, before, after, out, limit, HV: tl.constexpr, HVP: tl.constexpr,
+                          REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
+    """Segment j: the first m in 1 .. limit whose running sum of chunk sums is <= LOG_BOUND for every head, or
+    m = the chunks available (exact), or limit + 1; 0 where none are available."""
     j = tl.program_id(0).to(tl.int64)
     hv = tl.arange(0, HVP)
     mh = hv < HV
-    ck = tl.arange(0, KP)
-    mk = ck < K
-    row = tl.arange(0, ROWS).to(tl.int64)
-    if REVERSE:
-        base = tl.load(ends + j)
-        edge = tl.load(seq_ends + j)        # tokens at or past it lie beyond the sequence
-        avail = tl.load(after + j)
-    else:
-        base = tl.load(starts + j)
-        avail = tl.load(before + j)
-        edge = base - CHUNK * avail         # tokens before it lie before the sequence
+    avail = tl.load(after + j) if REVERSE else tl.load(before + j)
     total = tl.zeros([HVP], dtype=tl.float64)
     first = avail * 0 + limit + 1
     for m in range(0, limit):
-        chunk_sum = tl.zeros([HVP], dtype=tl.float64)
-        for r0 in range(0, CHUNK, ROWS):
-            if REVERSE:
-                tok = base + m * CHUNK + r0 + row
-                inside = tok < edge
-            else:
-                tok = base - 1 - m * CHUNK - r0 - row
-                inside = tok >= edge
-            tok = tl.minimum(tl.maximum(tok, 0), n_tok - 1)
-            gg = tl.load(g + tok[:, None] * HV + hv[None, :], mask=mh[None, :], other=0.0).to(tl.float64)
-            bb = tl.load(beta + tok[:, None] * HV + hv[None, :], mask=mh[None, :], other=0.0).to(tl.float64)
-            kk = tl.zeros([ROWS, HVP], dtype=tl.float32)
-            for h in range(H):              # ||k||^2 of key head h, to the value heads that share it
-                kt = tl.load(k + (tok[:, None] * H + h) * K + ck[None, :], mask=mk[None, :], other=0.0)
-                norm = tl.sum(kt.to(tl.float32) * kt.to(tl.float32), 1)
-                kk += tl.where((hv // (HV // H) == h)[None, :], norm[:, None], 0.0)
-            stretch = tl.log(tl.maximum(tl.abs(1.0 - bb * kk.to(tl.float64)), 1.0))
-            chunk_sum += tl.sum(tl.where(inside[:, None] & mh[None, :], gg + stretch, 0.0), 0)
-        total += chunk_sum
+        total += tl.load(sums + (j * limit + m) * HV + hv, mask=mh, other=0.0)
         settled = tl.sum(tl.where(mh & (total > LOG_BOUND), 1, 0), 0) == 0   # padding heads never block
         ok = (m + 1 <= avail) & (settled | (m + 1 == avail))
         first = tl.where(ok & (first == limit + 1), m + 1, first)
@@ -79,9 +82,13 @@ def warmup_chunks(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tens
     H, K = k.shape[2], k.shape[3]
     n_seg = starts.shape[0]
     out = torch.empty(n_seg, dtype=torch.int64, device=g.device)
-    if n_seg:
-        _warmup_chunks_kernel[(n_seg,)](g, k, beta, starts, ends, seq_ends, before, after, out, limit, n_tok,
-                                        H=H, HV=HV, K=K, HVP=triton.next_power_of_2(HV),
-                                        KP=triton.next_power_of_2(K), REVERSE=reverse, LOG_BOUND=log_bound,
-                                        num_warps=4)
+    if n_seg == 0:
+        return out
+    sums = torch.empty(n_seg, max(limit, 1), HV, dtype=torch.float64, device=g.device)
+    if limit > 0:
+        _chunk_bounds_kernel[(n_seg, limit, H)](g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
+                                                H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
+                                                KP=triton.next_power_of_2(K), REVERSE=reverse, num_warps=4)
+    _first_settled_kernel[(n_seg,)](sums, before, after, out, limit, HV=HV, HVP=triton.next_power_of_2(HV),
+                                    REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
     return out
