@@ -56,19 +56,17 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
         tl.store(dv + tok[:, None] * V + cv[None, :], (dBv * bt[:, None]).to(dv.dtype.element_ty), mask=mt)
         db += tl.sum(dBv * vv, 1)
 
-    # K K^T in a loop of its own that Triton does not software-pipeline (static_range): inside the pipelined
-    # loop below, Triton 3.6's sm90 build left this product's wgmma in flight (its only wait after the loop)
-    # while the loop's predicated-off prefetch zero-filled the very shared-memory slot it read (a two-slot ring;
-    # TTGIR, offline build at 4 warps / 3 stages): dbeta and dg, its only consumers, differed between identical
-    # calls on the H200 (session 9; this form not yet run there)
+    # K K^T and the dW products in one unpipelined loop (static_range): inside a pipelined loop, Triton 3.6's
+    # sm90 build left K K^T's wgmma in flight (its only wait after the loop) while the loop's predicated-off
+    # prefetch zero-filled the shared-memory slot it read (a two-slot ring; TTGIR, offline build at 4 warps / 3
+    # stages): dbeta and dg, its only consumers, differed between identical calls on the H200 (session 9). One
+    # loop reads K once (H200, session 10: 4/8 1x8192 backward 0.652 -> 0.625 ms against a K K^T loop of its own
+    # beside the pipelined dW loop; 16/32 even)
     kkt = tl.zeros([64, 64], dtype=tl.float32)
     for ik in tl.static_range(0, K, BK):
         ck = ik + tl.arange(0, BK)
         kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
         kkt += tl.dot(kk, tl.trans(kk), input_precision=PREC)
-    for ik in range(0, K, BK):
-        ck = ik + tl.arange(0, BK)
-        kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
         dW = tl.load(dw + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
         bk = (kk.to(tl.float32) * (bt * gam)[:, None]).to(dt)
         dT += tl.dot(dW.to(dt), tl.trans(bk), input_precision=PREC)

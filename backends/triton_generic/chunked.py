@@ -76,6 +76,11 @@ def _sm_count(index: int) -> int:
 # Context parallelism: None = decide from the SM count, 0 = off, n = segments of n chunks (tests).
 CP_SEGMENT_CHUNKS = None
 CP_MIN_SEGMENT_CHUNKS = 8
+# segments per sequence: as many as keep the programs within one per SM (H200, session 10, CUDA graphs, ms:
+# forward 2/8 1x32768 0.576 at 17 segments (the old rule, 2 per SM rounded up: 272 programs on 132 SMs), 0.547 at
+# 8; 4/16 1x32768 1.216 at 9, 1.052 at 4; backward 4/8 1x8192 0.632 at 16, 0.577 at 8; 4/8 1x32768 1.897 at 16,
+# 1.934 at 8, the one point where two per SM won)
+CP_PROGRAMS_PER_SM = 1
 # Context parallelism only while the sequential passes' programs (at the widest V block) cover at most this
 # share of the SMs; V blocks narrow to no less than MIN_BLOCK_V while programs are fewer than SMs.
 CP_MAX_SM_SHARE = 0.25
@@ -106,7 +111,7 @@ def _segment_chunks(problem: Problem, cu_seqlens, device: torch.device, sms: int
     if sms == 0 or programs > CP_MAX_SM_SHARE * sms or problem.K > 128:
         return None
     longest = max(cdiv(n, CHUNK) for n in _layout(problem, cu_seqlens, device).lengths)
-    per_sequence = cdiv(2 * sms, programs)
+    per_sequence = max(1, CP_PROGRAMS_PER_SM * sms // programs)
     seg = max(CP_MIN_SEGMENT_CHUNKS, cdiv(longest, per_sequence))
     return seg if seg < longest else None
 
