@@ -567,9 +567,12 @@ def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True):
     return run
 
 
-def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug):
+def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
     """What the propagator writes per segment (of cu): [E | P], the chain S -> Gamma_C S + K^T diag(Gamma_C /
-    Gamma) Tb (V - diag(Gamma) K S) run from zeros with V (E), and from the identity with V = 0 (P)."""
+    Gamma) Tb (V - diag(Gamma) K S) run from zeros with V (E), and from the identity with V = 0 (P); nothing
+    where gate[0] is 0."""
+    if int(gate[0]) == 0:
+        return
     grp = a.shape[2] // k.shape[2]
     Kd, Vd = k.shape[-1], v.shape[-1]
     for n in range(cu.numel() - 1):
@@ -797,14 +800,18 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
         assert o[:, sum(lengths):].abs().max() == 0
 
 
-@pytest.mark.parametrize("route", ["exact", "warmup"])
+@pytest.mark.parametrize("route,gate_scale,settled", [("exact", 0.3, None), ("gated", 3.0, True),
+                                                    ("gated", 1e-3, False), ("warmup", 0.3, None)],
+                         ids=["exact", "gated-settled", "gated-unsettled", "warmup"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
-def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, monkeypatch):
+def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, gate_scale, settled, monkeypatch):
     """The context-parallel forward's glue: segment plan, the segments' initial states (exact: the
     propagator's [E | P] handed to triton_generic's segment scan, interpreted here; warmup: the gathered
-    warm-up chunks through the state kernel), then the state pass over segments from those states, which also
-    gives the final states. The three TileLang kernels are replaced by float64 stand-ins of their contracts,
-    so this checks everything around them against the plain path and float64."""
+    warm-up chunks through the state kernel, lengths read back; gated: a fixed warm-up and the exact route
+    behind it, run or skipped by the device's count of unsettled segments, for gates that settle in a chunk and
+    gates that barely decay), then the state pass over segments from those states, which also gives the final
+    states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
+    everything around them against the plain path and float64."""
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -822,12 +829,14 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = F.normalize(r(1, T, H, K), dim=-1).half()
     k = F.normalize(r(1, T, H, K), dim=-1).half()
-    v, g, beta = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * 0.3, torch.rand(1, T, HV, generator=gen)
+    v, g, beta = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * gate_scale, torch.rand(1, T, HV, generator=gen)
     h0 = r(N, HV, V, K) * 0.1 if state else None  # state_v_first layout
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=True)
-    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", route == "warmup")
+    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", route != "exact")
+    if route == "warmup":   # the route where the exact one does not pay
+        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     results = {}
     for segs in (0, 2):
         monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segs)
@@ -837,6 +846,8 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
         got = {}
         results[segs] = fwd.forward(problem, inputs, intermediates=got)[:2]
         assert got["context_parallel"] == (route if segs else None)
+        if segs and route == "gated":
+            assert (int(got["unsettled"][0]) == 0) == settled
     d = lambda t: None if t is None else t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu, state_v_first=True)
@@ -849,18 +860,19 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,HV,T,segment_chunks,gate_scale,warmup_on,route", [
-    (2, 8, 8200, None, 1.0, True, "warmup"),
-    (2, 8, 8200, None, 1.0, False, "exact"),
-    (2, 8, 8200, 3, 1.0, True, "warmup"),
-    (2, 8, 8200, None, 1e-3, True, "exact"),     # gates barely decay: a warm-up would outrun its segment
-    (2, 8, 65536 + 37, None, 1.0, True, "warmup"),
-    (8, 32, 32768, None, 1.0, True, "warmup"),
-    (8, 32, 32768, None, 1e-3, True, None),       # 8/32: no warm-up within half a segment, and the exact route does not pay
+@pytest.mark.parametrize("H,HV,T,segment_chunks,gate_scale,warmup_on,route,settled", [
+    (2, 8, 8200, None, 1.0, True, "gated", True),
+    (2, 8, 8200, None, 1.0, False, "exact", None),
+    (2, 8, 8200, 3, 1.0, True, "gated", True),
+    (2, 8, 8200, None, 1e-3, True, "gated", False),   # gates barely decay: the exact route behind the warm-up runs
+    (2, 8, 65536 + 37, None, 1.0, True, "gated", True),
+    (8, 32, 32768, None, 1.0, True, "warmup", None),  # the exact route does not pay: warm-ups read back
+    (8, 32, 32768, None, 1e-3, True, None, None),     # ... and none within half a segment: no segments
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates"])
-def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, monkeypatch):
+def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
-    H200) against float64, with an initial and a final state, by each route to the segments' initial states."""
+    H200) against float64, with an initial and a final state, by each route to the segments' initial states
+    (gated: whether the fixed warm-up settled every segment, as the device counted)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -888,6 +900,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         got = {}
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
         assert got["context_parallel"] == route
+        if route == "gated":
+            assert (int(got["unsettled"][0]) == 0) == settled
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                    output_final_state=True, cu_seqlens=cu)
@@ -1038,6 +1052,46 @@ def test_training_gradients_repeat_bitwise():
         runs.append(torch.autograd.grad([o, ht], list(leaves.values()), [do, torch.ones_like(ht)]))
     for name, a, b in zip(x, *runs):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,HV,T", [(2, 8, 1000), (4, 16, 4160)], ids=["plain", "segments"])
+def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T):
+    """A training call (forward and backward) captured in a CUDA graph and replayed gives the eager call's
+    gradients, its outputs poisoned before the replay. plain: no segments. segments: the forward's gated warm-up
+    route (nothing read back) and the backward's exact route under capture, where eager may take the backward's
+    warm-up route (dS_end within e^-12 of each other): gradients compared to 2e-3, not bitwise."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(12)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)), beta=torch.sigmoid(r(1, T, HV)))
+    do = r(1, T, HV, V).to(torch.bfloat16)
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+
+    def call():
+        o = gdnkit.chunk_gated_delta_rule(**leaves, backend="tilelang_sm90")[0]
+        return torch.autograd.grad(o, list(leaves.values()), do)
+
+    want = [t.clone() for t in call()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = call()
+    for t in got:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(x, want, got):
+        assert torch.isfinite(b).all(), name
+        assert _rel(b, a) <= 2e-3, f"{name}: {_rel(b, a):.2e}"
 
 
 @pytest.mark.gpu

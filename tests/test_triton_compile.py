@@ -26,7 +26,7 @@ CAPABILITIES = (80, 90)
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0"}
-INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets"}
+INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "gate"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
 KERNELS = {
@@ -44,7 +44,7 @@ KERNELS = {
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
-                          REVERSE=False)),
+                          REVERSE=False, GATED=False)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled), by launch-table
 # name: (their KERNELS entry, compile-time arguments that differ from it)

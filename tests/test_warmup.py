@@ -152,6 +152,45 @@ def test_the_search_kernel_matches_its_definition(lengths, seg, limit, heads, K,
     assert got == _warmup_chunks_reference(t, g, k, beta, limit, reverse)
 
 
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5 * CHUNK), min_size=1, max_size=3), seg=st.integers(1, 3),
+       window=st.integers(0, 5), heads=st.sampled_from([(1, 1), (1, 3), (2, 4)]), K=st.sampled_from([8, 24]),
+       rate=st.sampled_from([1e-3, 0.05, 0.3, 1.0]), beta_max=st.sampled_from([1.0, 2.0]), reverse=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_unsettled_count_matches_its_definition(lengths, seg, window, heads, K, rate, beta_max, reverse, seed):
+    """warmup.unsettled (the graph-safe route's device count): a segment with a warm-up of m = min(window,
+    available) chunks is settled if m reaches its sequence's boundary or the bound summed over those m chunks is
+    <= LOG_BOUND for every head; the count of the others, against the bound in PyTorch."""
+    gen = torch.Generator().manual_seed(seed)
+    H, HV = heads
+    T = sum(lengths)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    k = k * (1 + 0.6 * torch.rand(1, T, H, 1, generator=gen, dtype=torch.float64))
+    g = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * rate
+    beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * beta_max
+    seq_starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cuts, seg_offsets, rows, row = [], [0], [], 0
+    for a, b in zip(seq_starts[:-1], seq_starts[1:]):
+        starts = list(range(a, b, seg * CHUNK))
+        cuts += starts
+        rows += [row + (s - a) // CHUNK for s in starts]
+        row += -(-(b - a) // CHUNK)
+        seg_offsets.append(len(cuts))
+    t = warmup.tables(cuts + [T], seg_offsets, rows, seq_starts, torch.device("cpu"))
+    log_b = _log_norm_bound(g, k, beta)
+    want = 0
+    for j in range(len(cuts)):
+        avail = (t.after_host if reverse else t.before_host)[j]
+        m = min(window, avail)
+        if reverse:
+            lo, hi = t.ends_host[j], min(t.ends_host[j] + CHUNK * m, t.seq_ends_host[j])
+        else:
+            lo, hi = t.starts_host[j] - CHUNK * m, t.starts_host[j]
+        want += not (m == avail or (log_b[lo:hi].sum(0) <= warmup.LOG_BOUND).all())
+    got = warmup.unsettled(t, g, k, beta, window, reverse)
+    assert got.dtype == torch.int32 and got.tolist() == [want]
+
+
 def test_launch_gathers_each_warmup_as_its_own_sequence():
     """Two sequences: segments 1 and 2 of the first need 2 and 1 chunks, the second's first segment none."""
     t = warmup.tables([0, 192, 384, 500, 628], [0, 3, 4], [0, 3, 6, 8], [0, 500, 628], torch.device("cpu"))

@@ -27,7 +27,7 @@ from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, warmup
 from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
-                      propagator_kernel)
+                      open_gate, propagator_kernel)
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -82,7 +82,8 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> tuple[
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
     aug = torch.empty(n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
-    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
+    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug,
+                                 open_gate(dev))
     f = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
     backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(

@@ -3,15 +3,19 @@
 The state pass runs one program per (sequence, value head, V tile), each walking its whole sequence. At
 H=2 HV=8 with one sequence of 32768 tokens that is 32 programs at the narrowest V tile, for 132 SMs. So
 the sequences are cut into segments of `seg` chunks, and the pass runs per segment with the right initial
-state (ALGORITHM.md section 4), found by one of two routes:
+state (ALGORITHM.md section 4), found by one of three routes:
 
     warm-up (warmup.py): where the gates decay, a few chunks before each segment run from a zero state give
         its initial state within e^-12 of the state's size (exact where they reach the sequence's start);
-        a gather and one short launch of the state kernel. Taken when every warm-up fits in half a segment.
+        a gather and one short launch of the state kernel; its lengths are read back, so it runs eagerly only,
+        where the exact route does not pay and every warm-up fits in half a segment.
     exact: every segment's transition S_end = P S_0 + E as [E | P] (TileLang, propagator.py), then a scan
         over each sequence's segments (triton_generic's segment scan, ~0.02 ms at 2/8 1x32768). It costs
-        ~1.3 output passes, so it is taken only where it pays (exact_route_pays); elsewhere a failed warm-up
-        means no segments.
+        ~1.3 output passes, so it is taken only where it pays (exact_route_pays): alone where WARMUP_ROUTE is
+        off (tests), else behind the gated warm-up. Where it does not pay, a failed warm-up means no segments.
+    gated (where the exact route pays): a warm-up of a fixed few chunks, then the exact route's kernels
+        launched behind it but run only where the device counted a segment the warm-up left outside the bound
+        (forward._initial_states); no host read, so a CUDA graph captures it with either outcome.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -107,14 +111,14 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,
-                   f: torch.Tensor | None = None):
+                   f: torch.Tensor | None = None, gate: torch.Tensor | None = None):
     """Step 2, from step 1's aug [n_seg, HV, K, V + K]: every segment's initial state [n_seg, HV, K, V] fp32 and
     the sequences' final states. With f (the backward's dS at each segment's start from a zero dS_end), the
     reverse scan dS_end_{j-1} = P_j^T dS_end_j + f_j instead: h0 is dht, and it returns every segment's dS_end
-    and the sequences' dh0."""
+    and the sequences' dh0. gate: as the propagator's (nothing written where it holds 0)."""
     from gdnkit.backends.triton_generic._common import dot_precision
     from gdnkit.backends.triton_generic.context_parallel import segment_scan
 
     _, HV, K, VK = aug.shape
     return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,
-                        dot_precision(dtype), f=f)
+                        dot_precision(dtype), f=f, gate=gate)

@@ -78,6 +78,53 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
+def _initial_states(plan, layout, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates):
+    """(every segment's initial state [n_seg, HV, K, V] fp32, the route) or (None, None) for no segments.
+    Where the exact route pays (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length
+    with the exact route behind it, launched always and run only where the warm-up left a segment outside the
+    bound (decided on the device: no host read, so CUDA graphs capture it). Elsewhere segments pay only by
+    warm-up: warm-ups as long as needed, learned by host reads (none under capture: no segments there)."""
+    dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
+    dt = TORCH_TO_TL[problem.dtype]
+    pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
+    if not pays:
+        s0 = _warmup_states(plan, seg, k, a, v, gamma, g, beta, h0, problem)
+        return s0, ("warmup" if s0 is not None else None)
+    if context_parallel.WARMUP_ROUTE:
+        window = min(warmup.reach(seg), warmup.FIRST_WINDOW)
+        wr = warmup.fixed_warmup(plan.warmup, window, dev)
+        warm = warmup.run_states(wr, h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
+        gate = warmup.unsettled(plan.warmup, g, k, beta, window)
+        route = "gated"
+        if intermediates is not None:
+            intermediates.update(unsettled=gate)
+    else:
+        warm, gate, route = None, open_gate(dev), "exact"
+    aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
+    propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
+    exact, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, gate=None if warm is None else gate)
+    # where the warm-up settled every segment the exact kernels wrote nothing: their output is never selected
+    return (exact if warm is None else torch.where(gate > 0, exact, warm)), route
+
+
+@functools.lru_cache(maxsize=8)
+def open_gate(device: torch.device) -> torch.Tensor:
+    """The propagator's gate where no warm-up precedes it: always run (never written)."""
+    return torch.ones(1, dtype=torch.int32, device=device)
+
+
+def _warmup_runner(problem: Problem, k, a, v, gamma):
+    """run(launch, init) for warmup.run_states: the state pass over the gathered warm-up chunks; their O is not
+    used (k stands in for q), their final states are the segments' S0."""
+    def run(w, init):
+        kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
+        states = torch.empty_like(init)
+        _state_pass(StateLaunch(w.cu_seqlens, w.chunk_offsets, init, len(w.segments)), problem, kw, kw, aw, vw,
+                    gamma[:, w.chunk_rows].contiguous(), torch.empty_like(vw), states, None)
+        return states
+    return run
+
+
 def _warmup_states(plan, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem):
     """The segments' initial states [n_seg, HV, K, V] by warm-up (warmup.py), or None where a warm-up would
     take more than warmup.reach(seg) chunks, or while a CUDA graph is being captured (it reads m back)."""
@@ -89,16 +136,7 @@ def _warmup_states(plan, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem
     if max(m) > limit:
         return None
     HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-
-    def run(w, init):
-        # the warm-up tokens' O is not used (k stands in for q); their final states are the segments' S0
-        kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
-        states = torch.empty_like(init)
-        _state_pass(StateLaunch(w.cu_seqlens, w.chunk_offsets, init, len(w.segments)), problem, kw, kw, aw, vw,
-                    gamma[:, w.chunk_rows].contiguous(), torch.empty_like(vw), states, None)
-        return states
-
-    return warmup.warmed_states(t, m, h0, (HV, K, V), k.device, run)
+    return warmup.warmed_states(t, m, h0, (HV, K, V), k.device, _warmup_runner(problem, k, a, v, gamma))
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
@@ -252,17 +290,10 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         seg = _segment_chunks(layout, HV, dev)
         route = None
         if seg:
-            # context parallelism: every segment's initial state, by warm-up where the gates decay enough
-            # (warmup.py), else exactly (propagator + segment scan) where that pays; then the output pass
-            # over segments, which also leaves each sequence's final state in its last segment
+            # context parallelism: every segment's initial state (_initial_states), then the output pass over
+            # segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            s0 = _warmup_states(plan, seg, k, a, v, gamma, g, beta, h0, problem)
-            route = "warmup" if s0 is not None else None
-            if s0 is None and context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev)):
-                aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
-                propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug)
-                s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype)
-                route = "exact"
+            s0, route = _initial_states(plan, layout, seg, k, a, v, gamma, g, beta, h0, problem, intermediates)
         if route:
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \

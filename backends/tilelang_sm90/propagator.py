@@ -9,7 +9,8 @@ linear in (S, V). E is it run from S_0 = 0, and P it run on the K x K identity w
 runs the state chain alone, with no output, on a BV-wide column tile of [E | P]: tiles left of V start from
 zeros and read V, tiles right of it start from identity columns and read no V. It reads what the plain
 forward reads (K, Tb, V, gamma), so context parallelism needs no other intra-kernel output. It writes aug
-[segments, HV, K, V + K] fp32, the layout triton_generic's segment scan reads.
+[segments, HV, K, V + K] fp32, the layout triton_generic's segment scan reads. It does nothing where `gate` holds
+0: the graph-safe warm-up route launches it always and lets the device decide (forward._gated_initial_states).
 
 Two warpgroups: a TMA producer (K, Tb, V and gamma of chunk i into stage i % 2) and the state chain,
 on the same two 2-slot mbarrier rings as state_output_ws.py:
@@ -51,6 +52,7 @@ def propagator_program(H: int, HV: int, dtype: str = "bfloat16", block_v: int = 
         cu_seqlens: T.Tensor((num_segs + 1,), "int32"),      # token bounds of the segments
         chunk_offsets: T.Tensor((num_segs + 1,), "int32"),   # chunk-table row of each segment's first chunk
         aug: T.Tensor((num_segs, HV, K, V + K), accum),
+        gate: T.Tensor((1,), "int32"),                        # 0: nothing to do (the graph-safe route's count)
     ):
         with T.Kernel(NCOL, HV, num_segs, threads=THREADS) as (bc, hv, n):
             hk = hv // GROUP
@@ -74,50 +76,51 @@ def propagator_program(H: int, HV: int, dtype: str = "bfloat16", block_v: int = 
             freed = T.alloc_barrier(arrive_count=[128, 128])
 
             tx = T.get_thread_binding()
-            if tx < 128:
-                # ---- producer ----
-                for i in T.serial(n_chunks):
-                    s = i % 2
-                    T.barrier_wait(freed[s], ((i // 2) % 2) ^ 1)
-                    t0 = bos + i * C
-                    T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(gamma[hv, c0 + i, 0:C], g_s[s, :], barrier=loaded[s])
-                    if bc < NE:
-                        T.tma_copy(v[0, t0:t0 + C, hv, col0:col0 + BV], v_s[s, :, :], barrier=loaded[s])
-                    T.barrier_arrive(loaded[s])
-            else:
-                # ---- state chain: E's tiles from zeros with V, P's from the identity's columns col0 - V ..
-                # with V = 0 ----
-                for r, j in T.Parallel(K, BV):
-                    S[r, j] = T.if_then_else(r == col0 - V + j, 1.0, 0.0)
-                for i in T.serial(n_chunks):
-                    s = i % 2
-                    n_valid = T.min(eos - bos - i * C, C)
-                    T.barrier_wait(loaded[s], (i // 2) % 2)
-                    T.copy(S, s_s)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(k_s[s, :, :], s_s, x, clear_accum=True)              # K S
-                    g_last = g_s[s, n_valid - 1]
-                    for r in T.Parallel(C):
-                        e_x[r] = T.exp(g_s[s, r])
-                        e_u[r] = T.exp(g_last - g_s[s, r])
-                    T.wait_wgmma(0)
-                    for r, j in T.Parallel(C, BV):
-                        x[r, j] = T.if_then_else(
-                            r < n_valid, T.if_then_else(bc < NE, v_s[s, r, j], 0.0) - x[r, j] * e_x[r], 0.0)
-                    T.copy(x, x_s)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)              # U = Tb X
-                    T.wait_wgmma(0)
-                    for r, j in T.Parallel(C, BV):
-                        x_s[r, j] = T.if_then_else(r < n_valid, x[r, j] * e_u[r], 0.0)
-                    T.fence_proxy_async()
+            if gate[0] > 0:  # every thread reads the same count: the whole CTA leaves or stays
+                if tx < 128:
+                    # ---- producer ----
+                    for i in T.serial(n_chunks):
+                        s = i % 2
+                        T.barrier_wait(freed[s], ((i // 2) % 2) ^ 1)
+                        t0 = bos + i * C
+                        T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
+                        T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
+                        T.tma_copy(gamma[hv, c0 + i, 0:C], g_s[s, :], barrier=loaded[s])
+                        if bc < NE:
+                            T.tma_copy(v[0, t0:t0 + C, hv, col0:col0 + BV], v_s[s, :, :], barrier=loaded[s])
+                        T.barrier_arrive(loaded[s])
+                else:
+                    # ---- state chain: E's tiles from zeros with V, P's from the identity's columns col0 - V ..
+                    # with V = 0 ----
                     for r, j in T.Parallel(K, BV):
-                        S[r, j] = S[r, j] * T.exp(g_last)
-                    T.wgmma_gemm(k_s[s, :, :], x_s, S, transpose_A=True)              # += K^T U_d
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(freed[s])
-                T.copy(S, aug[n, hv, 0:K, col0:col0 + BV])
+                        S[r, j] = T.if_then_else(r == col0 - V + j, 1.0, 0.0)
+                    for i in T.serial(n_chunks):
+                        s = i % 2
+                        n_valid = T.min(eos - bos - i * C, C)
+                        T.barrier_wait(loaded[s], (i // 2) % 2)
+                        T.copy(S, s_s)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(k_s[s, :, :], s_s, x, clear_accum=True)              # K S
+                        g_last = g_s[s, n_valid - 1]
+                        for r in T.Parallel(C):
+                            e_x[r] = T.exp(g_s[s, r])
+                            e_u[r] = T.exp(g_last - g_s[s, r])
+                        T.wait_wgmma(0)
+                        for r, j in T.Parallel(C, BV):
+                            x[r, j] = T.if_then_else(
+                                r < n_valid, T.if_then_else(bc < NE, v_s[s, r, j], 0.0) - x[r, j] * e_x[r], 0.0)
+                        T.copy(x, x_s)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)              # U = Tb X
+                        T.wait_wgmma(0)
+                        for r, j in T.Parallel(C, BV):
+                            x_s[r, j] = T.if_then_else(r < n_valid, x[r, j] * e_u[r], 0.0)
+                        T.fence_proxy_async()
+                        for r, j in T.Parallel(K, BV):
+                            S[r, j] = S[r, j] * T.exp(g_last)
+                        T.wgmma_gemm(k_s[s, :, :], x_s, S, transpose_A=True)              # += K^T U_d
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(freed[s])
+                    T.copy(S, aug[n, hv, 0:K, col0:col0 + BV])
 
     return gdn_segment_propagator

@@ -10,8 +10,10 @@ starts from the sequence's initial state).
 
 The warm-up runs the forward's own state kernel on the gathered warm-up chunks (a few per segment with decaying
 gates), so it costs a gather and a short launch, where the exact route (propagator.py + the segment scan)
-costs ~1.3 output passes. forward.py takes it when every segment's warm-up fits within half a segment (reach), which it
-learns with one host read; while a CUDA graph is being captured it keeps to the exact route.
+costs ~1.3 output passes. Where the exact route pays, forward.py runs a warm-up of fixed length (fixed_warmup,
+FIRST_WINDOW chunks) with the exact route behind it, gated on the device's count of the segments it left unsettled
+(unsettled): nothing is read back, so CUDA graphs capture it. Elsewhere it runs warm-ups as long as each segment
+needs, up to half a segment (reach), learned with host reads (warmup_lengths); under capture, no segments there.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
@@ -20,6 +22,7 @@ reverse-pass kernel from zero (from dht where it reaches the sequence's end).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -129,22 +132,63 @@ def launch(t: WarmupTables, m: list[int], device: torch.device, reverse: bool = 
     return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co), tuple(m[j] == avail[j] for j in segs))
 
 
-def warmed_states(t: WarmupTables, m: list[int], boundary: torch.Tensor | None, shape: tuple[int, int, int],
-                   device: torch.device, run, reverse: bool = False) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class WarmupRun:
+    """A warm-up launch and where its states go, as device index tensors: running it reads nothing back."""
+    launch: WarmupLaunch
+    m: tuple[int, ...]          # warm-up chunks per segment
+    rows: torch.Tensor          # [len(launch.segments)] int64: the segments the launch serves
+    ends: torch.Tensor          # int64: segments without a warm-up (a sequence's first; last with reverse)
+    ends_seq: torch.Tensor      # int64: their sequences
+    exact: torch.Tensor         # int64: rows of the launch whose warm-up reaches the sequence's boundary
+    exact_seq: torch.Tensor     # int64: their sequences
+
+
+def warmup_run(t: WarmupTables, m: list[int] | tuple[int, ...], device: torch.device,
+               reverse: bool = False) -> WarmupRun:
+    w = launch(t, list(m), device, reverse)
+    ends = [j for j, mj in enumerate(m) if mj == 0]
+    exact = [i for i, e in enumerate(w.exact) if e]
+    as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    return WarmupRun(w, tuple(m), as_dev(list(w.segments)), as_dev(ends), as_dev([t.seq_of[j] for j in ends]),
+                     as_dev(exact), as_dev([t.seq_of[w.segments[i]] for i in exact]))
+
+
+@functools.lru_cache(maxsize=32)
+def fixed_warmup(t: WarmupTables, window: int, device: torch.device, reverse: bool = False) -> WarmupRun:
+    """The graph-safe warm-up: min(window, available) chunks for every segment, known from the host tables
+    alone, so its launch is built once per plan (cached here) and a captured call reads nothing back. Whether
+    it settled every segment is decided on the device (unsettled); the exact route, gated on that count, covers
+    the segments it did not."""
+    avail = t.after_host if reverse else t.before_host
+    return warmup_run(t, tuple(min(window, a) for a in avail), device, reverse)
+
+
+def unsettled(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
+              reverse: bool = False) -> torch.Tensor:
+    """[1] int32 on the device: the segments that fixed_warmup(t, window) leaves outside the bound."""
+    from .warmup_bound import count_unsettled
+    return count_unsettled(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
+
+
+def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,
+               run) -> torch.Tensor:
     """Every segment's state at its warm-up end [n_seg, HV, K, V] fp32 -- the forward's initial states (the
     backward's dS_end with reverse): a sequence's first (last) segment gets the sequence's boundary state
     (h0; dht with reverse; zero where None); the others `run(launch, init)` over their warm-up chunks, from
     zero, or from the boundary state where the warm-up reaches the sequence's start (end)."""
-    out = torch.zeros(len(m), *shape, device=device, dtype=torch.float32)
-    of_sequences = lambda js: boundary[[t.seq_of[j] for j in js]]  # noqa: E731
-    if boundary is not None:
-        ends = [j for j, mj in enumerate(m) if mj == 0]
-        out[ends] = of_sequences(ends)
-    w = launch(t, m, device, reverse)
-    if w.segments:
-        init = torch.zeros(len(w.segments), *shape, device=device, dtype=torch.float32)
-        if boundary is not None and any(w.exact):
-            exact = [i for i, e in enumerate(w.exact) if e]
-            init[exact] = of_sequences([w.segments[i] for i in exact])
-        out[list(w.segments)] = run(w, init)
+    out = torch.zeros(len(wr.m), *shape, device=device, dtype=torch.float32)
+    if boundary is not None and wr.ends.numel():
+        out.index_copy_(0, wr.ends, boundary.index_select(0, wr.ends_seq))
+    if wr.launch.segments:
+        init = torch.zeros(len(wr.launch.segments), *shape, device=device, dtype=torch.float32)
+        if boundary is not None and wr.exact.numel():
+            init.index_copy_(0, wr.exact, boundary.index_select(0, wr.exact_seq))
+        out.index_copy_(0, wr.rows, run(wr.launch, init))
     return out
+
+
+def warmed_states(t: WarmupTables, m: list[int], boundary: torch.Tensor | None, shape: tuple[int, int, int],
+                  device: torch.device, run, reverse: bool = False) -> torch.Tensor:
+    """run_states for warm-up lengths m read from the device (warmup_lengths)."""
+    return run_states(warmup_run(t, m, device, reverse), boundary, shape, device, run)

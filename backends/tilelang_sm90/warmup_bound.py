@@ -1,5 +1,6 @@
 """warmup.warmup_chunks in two Triton launches: per segment, the fewest chunks next to it whose summed norm bound
-is below LOG_BOUND for every value head (warmup.py says why that bound suffices).
+is below LOG_BOUND for every value head (warmup.py says why that bound suffices). Also count_unsettled, the test of
+a warm-up of fixed length that the graph-safe route (warmup.fixed_warmup) runs on the device.
 
     1. chunk sums, one program per (segment, window chunk, key head): the chunk's 64 tokens at once, the bound's
        log summed per value head of the key head's group (float64) into sums [n_seg, limit, HV];
@@ -73,22 +74,63 @@ def _first_settled_kernel(sums, before, after, out, limit, HV: tl.constexpr, HVP
     tl.store(out + j, tl.where(avail == 0, 0, first))
 
 
+@triton.jit
+def _unsettled_kernel(sums, before, after, unsettled, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
+                      REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
+    """Segment j's warm-up of exactly m = min(window, chunks available) chunks: settled if it reaches the
+    sequence's start (end) or its summed bound is <= LOG_BOUND for every head; unsettled segments are counted
+    into `unsettled` (integer atomics: the count is the same whatever their order). sums: [n_seg, stride, HV]."""
+    j = tl.program_id(0).to(tl.int64)
+    hv = tl.arange(0, HVP)
+    mh = hv < HV
+    avail = tl.load(after + j) if REVERSE else tl.load(before + j)
+    m = tl.minimum(avail, window)
+    total = tl.zeros([HVP], dtype=tl.float64)
+    for i in range(0, m):
+        total += tl.load(sums + (j * stride + i) * HV + hv, mask=mh, other=0.0)
+    settled = (m == avail) | (tl.sum(tl.where(mh & (total > LOG_BOUND), 1, 0), 0) == 0)
+    tl.atomic_add(unsettled, tl.where(settled, 0, 1).to(tl.int32))
+
+
+def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse: bool) -> torch.Tensor:
+    """[n_seg, max(limit, 1), HV] float64: the bound's log summed per chunk of each segment's window."""
+    _, n_tok, HV = g.shape
+    H, K = k.shape[2], k.shape[3]
+    n_seg = starts.shape[0]
+    sums = torch.empty(n_seg, max(limit, 1), HV, dtype=torch.float64, device=g.device)
+    if limit > 0 and n_seg > 0:
+        _chunk_bounds_kernel[(n_seg, limit, H)](g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
+                                                H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
+                                                KP=triton.next_power_of_2(K), REVERSE=reverse, num_warps=4)
+    return sums
+
+
+def count_unsettled(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
+                    after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
+                    reverse: bool, log_bound: float) -> torch.Tensor:
+    """[1] int32 on the device: how many segments a warm-up of min(window, available) chunks leaves outside the
+    bound (warmup.fixed_warmup's test, read by the gated exact route's kernels; nothing is read back)."""
+    unsettled = torch.zeros(1, dtype=torch.int32, device=g.device)
+    n_seg = starts.shape[0]
+    if n_seg:
+        sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
+        _unsettled_kernel[(n_seg,)](sums, before, after, unsettled, window, sums.shape[1], HV=g.shape[2],
+                                    HVP=triton.next_power_of_2(g.shape[2]), REVERSE=reverse, LOG_BOUND=log_bound,
+                                    num_warps=1)
+    return unsettled
+
+
 def warmup_chunks(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
                   after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, limit: int,
                   reverse: bool, log_bound: float) -> torch.Tensor:
     """[n_seg] int64 (warmup.warmup_chunks' contract), from the segment tables and the kernels' inputs g, beta
     [1, tokens, HV] and k [1, tokens, H, K], each contiguous."""
-    _, n_tok, HV = g.shape
-    H, K = k.shape[2], k.shape[3]
+    HV = g.shape[2]
     n_seg = starts.shape[0]
     out = torch.empty(n_seg, dtype=torch.int64, device=g.device)
     if n_seg == 0:
         return out
-    sums = torch.empty(n_seg, max(limit, 1), HV, dtype=torch.float64, device=g.device)
-    if limit > 0:
-        _chunk_bounds_kernel[(n_seg, limit, H)](g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
-                                                H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
-                                                KP=triton.next_power_of_2(K), REVERSE=reverse, num_warps=4)
+    sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit, reverse)
     _first_settled_kernel[(n_seg,)](sums, before, after, out, limit, HV=HV, HVP=triton.next_power_of_2(HV),
                                     REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
     return out
