@@ -593,8 +593,10 @@ def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
 
 def _backward_state_stand_in(has_dht, store_dh0):
     """What the backward's reverse pass writes: per chunk its dS_end (bf16, also the operand the chain uses),
-    dU and dX rows, and dh0."""
-    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale):
+    dU and dX rows, and dh0; nothing where gate[0] is 0."""
+    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate):
+        if int(gate[0]) == 0:
+            return
         grp = a.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -676,13 +678,17 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
     assert calls and set(calls) <= family, set(calls) - family
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-exact"])
+@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-warmup",
+                                  "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
-    with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the reverse pass to the per-chunk kernel, sums dq/dk
-    over GVA's value heads and undoes the options' prologue; with segments (context parallelism), each
-    segment's dS_end comes from a warm-up over the chunks after it. The kernels are float64 stand-ins of their
-    contracts; every gradient is checked against autograd through the float64 reference."""
+    with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
+    reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
+    With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
+    the chunks after it, the exact route behind it, run where the device counts an unsettled segment: gates
+    that settle, and gates that barely decay), the warm-up route with lengths read back (where the exact route
+    does not pay), or the exact route alone. The kernels are float64 stand-ins of their contracts; every
+    gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd
@@ -692,6 +698,12 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     segments = case.startswith("segments")
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
+    if case == "segments-warmup":
+        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+    counts = []   # the gated routes' device counts: (reverse, unsettled segments)
+    real_unsettled = bwd.warmup.unsettled
+    monkeypatch.setattr(bwd.warmup, "unsettled", lambda *a, reverse=False: counts.append(
+        (reverse, int(real_unsettled(*a, reverse=reverse)[0]))) or real_unsettled(*a, reverse=reverse))
     calls = []
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
@@ -717,7 +729,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         q, k = F.normalize(q.float(), dim=-1).half(), F.normalize(k.float(), dim=-1).half()
     v, g, beta = r(B, T, HV, V).half(), r(B, T, HV), r(B, T, HV)
     if not varlen:
-        g, beta = F.logsigmoid(g) * 0.3, torch.sigmoid(beta)
+        g, beta = F.logsigmoid(g) * (1e-3 if case == "segments-weak-gates" else 0.3), torch.sigmoid(beta)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
                 use_beta_sigmoid_in_kernel=True) if varlen else {}
     h0 = r(N, HV, K, V) * 0.1
@@ -752,7 +764,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
     # segments: 333 tokens in 2-chunk segments; the gates decay by ~15 a chunk, so 1 chunk (warmup.reach) reaches e^-12
-    assert warmups == ([[1, 1, 0, 0]] if case == "segments" else [])   # segments-exact: the scan instead
+    assert warmups == ([[1, 1, 0, 0]] if case == "segments-warmup" else [])
+    backward_counts = [n for reverse, n in counts if reverse]
+    assert backward_counts == {"segments": [0], "segments-weak-gates": [2]}.get(case, []), counts
     _assert_in_family(calls, H, HV, "float16", training=True)
 
 
@@ -964,7 +978,7 @@ def test_backward_state_matches_reference_chunked_backward():
         dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
         dh0 = torch.full((1, HV, K, V), float("nan"), device=dev)
         kernel(q, k, got["a"], do, got["gamma"].reshape(HV, nc, 64), layout.cu_seqlens, layout.chunk_offsets, dht,
-               du, dv, dh, dh0, float(problem.scale))
+               du, dv, dh, dh0, float(problem.scale), torch.ones(1, device=dev, dtype=torch.int32))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
@@ -1055,12 +1069,15 @@ def test_training_gradients_repeat_bitwise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,HV,T", [(2, 8, 1000), (4, 16, 4160)], ids=["plain", "segments"])
+@pytest.mark.parametrize("H,HV,T", [(2, 8, 1000), (4, 16, 4160)], ids=["side-stream", "segments"])
 def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T):
     """A training call (forward and backward) captured in a CUDA graph and replayed gives the eager call's
-    gradients, its outputs poisoned before the replay. plain: no segments. segments: the forward's gated warm-up
-    route (nothing read back) and the backward's exact route under capture, where eager may take the backward's
-    warm-up route (dS_end within e^-12 of each other): gradients compared to 2e-3, not bitwise."""
+    gradients, its outputs poisoned before the replay. side-stream: no segments, so the backward's S0 recompute
+    runs on a side stream beside the reverse pass (backward._recompute_beside), forked and joined inside the
+    capture; the first replay reads S0 from graph-pool memory no earlier call wrote, so a read before the join
+    shows. segments: the forward's gated warm-up route (nothing read back) and the backward's exact route under
+    capture, where eager may take the backward's warm-up route (dS_end within e^-12 of each other): gradients
+    compared to 2e-3, not bitwise."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()

@@ -14,7 +14,8 @@ is the definition every stage is checked against.
 Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a warm-up over
 the chunks after it (warmup.py, the same norm bound as the forward's), or exactly where the gates decay too
 little for that (the forward's propagator gives each segment's transition, a reverse segment scan the dS_ends),
-then the reverse pass per segment.
+or both, gated on the device (_gated_ds_ends), by the forward's rule (_segments); then the reverse pass per
+segment. Where both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
-from . import context_parallel, warmup
+from . import context_parallel, forward, warmup
 from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
                       open_gate, propagator_kernel)
 
@@ -56,45 +57,50 @@ def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
 
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
-    """(segment plan, route, warm-up chunks per segment) where the reverse pass runs in segments, else None:
-    the forward's segment rule; the warm-up route where every segment's dS_end is within a warm-up's reach
-    (warmup.py, reverse; one host read), else the exact route where it pays (context_parallel.exact_route_pays).
-    While a CUDA graph is being captured: the exact route or none."""
+    """(segment plan, route, warm-up) where the reverse pass runs in segments, else None: the forward's segment
+    rule, then, as the forward's (forward._initial_states), where the exact route pays
+    (context_parallel.exact_route_pays) the gated route, warm-up = its fixed window in chunks; elsewhere the
+    warm-up route where every segment's dS_end is within a warm-up's reach (warmup.py, reverse; host reads, so
+    not under CUDA graph capture), warm-up = the chunks per segment. WARMUP_ROUTE off: the exact route alone."""
     seg = _segment_chunks(s.layout, problem.HV, dev)
     if not seg:
         return None
     plan = context_parallel.plan_segments(s.layout, seg)
+    if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
+        if not context_parallel.WARMUP_ROUTE:
+            return plan, "exact", None
+        return plan, "gated", min(warmup.reach(seg), warmup.FIRST_WINDOW)
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if context_parallel.WARMUP_ROUTE and not capturing:
         limit = warmup.reach(seg)
         m = warmup.warmup_lengths(plan.warmup, s.g, s.k, s.beta, limit, reverse=True)
         if max(m) <= limit:
             return plan, "warmup", m
-    if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
-        return plan, "exact", None
     return None
 
 
-def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch, gate=None):
     """(dS_end of every segment, the sequences' dh0 or None), exactly: each segment's transition P (the
     forward's propagator), its dS at the start from a zero dS_end (the reverse pass per segment), then the
-    reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j."""
+    reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. gate ([1] int32 on the device): the three launches
+    do nothing where it holds 0 (the returns are then unwritten), and dh0 is left to the caller."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
+    run_if = open_gate(dev) if gate is None else gate
     aug = torch.empty(n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
-    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug,
-                                 open_gate(dev))
+    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, run_if)
     f = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
     backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, placeholder, *scratch, f,
-        float(problem.scale))
-    return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None, s.k.dtype, f=f)
+        float(problem.scale), run_if)
+    return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and gate is None, s.k.dtype,
+                                           f=f, gate=gate)
 
 
-def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> torch.Tensor:
-    """dS_end of every segment [n_seg, HV, K, V] fp32: a sequence's last segment gets dht (or 0); the others
-    the reverse pass run from 0 (from dht where it reaches the sequence's end) over their warm-up chunks."""
+def _reverse_runner(problem: Problem, s: Saved, do):
+    """run(launch, init) for warmup.run_states: the reverse pass over the gathered warm-up chunks, from init;
+    its final dS (at the warm-up's first chunk) is the segment's dS_end."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev = do.device
 
@@ -106,10 +112,54 @@ def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> 
         kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
                                        _plan_block_v(len(w.segments), HV, dev))
         kernel(qw, kw, aw, dow, s.gamma[:, w.chunk_rows].contiguous(), w.cu_seqlens, w.chunk_offsets, init,
-               *scratch, dh_w, states, float(problem.scale))
+               *scratch, dh_w, states, float(problem.scale), open_gate(dev))
         return states
+    return run
 
-    return warmup.warmed_states(plan.warmup, m, dht, (HV, K, V), dev, run, reverse=True)
+
+def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> torch.Tensor:
+    """dS_end of every segment [n_seg, HV, K, V] fp32: a sequence's last segment gets dht (or 0); the others
+    the reverse pass run from 0 (from dht where it reaches the sequence's end) over their warm-up chunks."""
+    return warmup.warmed_states(plan.warmup, m, dht, (problem.HV, problem.K, problem.V), do.device,
+                                _reverse_runner(problem, s, do), reverse=True)
+
+
+def _gated_ds_ends(problem: Problem, s: Saved, plan, window: int, do, dht, scratch) -> torch.Tensor:
+    """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks
+    after each segment (warmup.fixed_warmup), and the exact route behind it, run only where the device counted
+    a segment that warm-up left outside the bound (warmup.unsettled)."""
+    dev = do.device
+    gate = warmup.unsettled(plan.warmup, s.g, s.k, s.beta, window, reverse=True)
+    wr = warmup.fixed_warmup(plan.warmup, window, dev, reverse=True)
+    warm = warmup.run_states(wr, dht, (problem.HV, problem.K, problem.V), dev, _reverse_runner(problem, s, do))
+    exact, _ = _exact_ds_ends(problem, s, plan, do, dht, scratch, gate)
+    return torch.where(gate > 0, exact, warm)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
+
+
+def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: int):
+    """(every chunk's S0, the stream it is being made on) where the recompute runs beside the reverse pass, else
+    None. The recompute of S0 (the forward's state pass again, forward.entering_states) does not feed the reverse
+    pass, and both are chains of few programs: where both fit the SMs together at 64-wide V tiles (16/32 1x32768
+    without segments: 64 + 64 CTAs on 132 SMs, one per SM each), the recompute goes to a side stream and
+    chunk_grads, the first to read S0, waits for it (H200, session 10: backward 3.66 -> 3.56 ms there). Elsewhere
+    the planned 32-wide tiles already fill the SMs, and the recompute runs just before chunk_grads, which then
+    finds S0 in L2 where it fits (4/8 1x8192: 33 MB; running it first cost ~0.03 ms). hs is allocated on the
+    calling stream before the fork and every use after the join is ordered behind the side stream's work, so its
+    memory is never handed out while the side stream writes it (also under CUDA graph capture)."""
+    if s.hs is not None or dev.type != "cuda" or forward.BLOCK_V is not None or \
+            2 * problem.HV * (s.states.n + n_reverse) > _sm_count_of(dev):
+        return None
+    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+    hs = torch.empty(s.layout.n_chunks, problem.HV, problem.K, problem.V, device=dev, dtype=s.k.dtype)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        entering_states(problem, s, out=hs, block_v=64)
+    return hs, side
 
 
 def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
@@ -135,27 +185,32 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     dv = seqlayout.packed_output((1, total, HV, V), layout.cu_seqlens, device=dev, dtype=s.v.dtype)
     dh = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.v.dtype)
     plan = _segments(problem, s, dev)
+    n_reverse = N if plan is None else plan[0].segments.n_seg
+    beside = _recompute_beside(problem, s, dev, n_reverse)
+    block_v = 64 if beside else _plan_block_v(n_reverse, HV, dev)
     if plan is None:
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
-        kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, _plan_block_v(N, HV, dev))
+        kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, block_v)
         kernel(s.q, s.k, s.a, do, s.gamma, layout.cu_seqlens, layout.chunk_offsets,
                placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
-               float(problem.scale))
+               float(problem.scale), open_gate(dev))
     else:
-        # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, or exactly),
-        # then the reverse pass per segment from those; with the warm-up, its dS at each sequence's first
-        # segment's start is the sequence's dh0
+        # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, exactly, or
+        # the gated pair of both), then the reverse pass per segment from those
         plan, route, m = plan
         n_seg = plan.segments.n_seg
         if route == "warmup":
             ds_end, dh0 = _warmup_ds_ends(problem, s, plan, m, do, dht), None
+        elif route == "gated":
+            ds_end, dh0 = _gated_ds_ends(problem, s, plan, m, do, dht, (du, dv, dh)), None
         else:
             ds_end, dh0 = _exact_ds_ends(problem, s, plan, do, dht, (du, dv, dh))
+        # dh0 from the pass over segments (each sequence's first segment) where the route gave none
         dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
-            if store_dh0 and route == "warmup" else None
-        kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, _plan_block_v(n_seg, HV, dev))
+            if store_dh0 and dh0 is None else None
+        kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, block_v)
         kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, ds_end, du, dv, dh,
-               placeholder if dh0_seg is None else dh0_seg, float(problem.scale))
+               placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev))
         if dh0_seg is not None:  # each sequence's first segment; a sequence without tokens passes dht through
             dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
             empty = [n for n, length in enumerate(layout.lengths) if length == 0]
@@ -170,7 +225,11 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     dk = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
     dg = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
-    hs = entering_states(problem, s)  # recomputed here unless the forward kept them (forward.KEEP_STATES)
+    if beside:
+        hs, side = beside
+        torch.cuda.current_stream(dev).wait_stream(side)
+    else:
+        hs = entering_states(problem, s)  # recomputed here unless the forward kept them (forward.KEEP_STATES)
     chunk_grads_kernel(H, HV, dt, qk_tl)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
                                          layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta,
                                          float(problem.scale))

@@ -10,7 +10,9 @@
                                  diag(Gamma_C / Gamma) K and s diag(Gamma) dO, handed over in bf16
 
 The side warpgroup works on chunk i + 1 while the chain finishes chunk i, as the output warpgroup does in the
-forward. The definition it must meet is backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
+forward. Where `gate` holds 0 the CTA does nothing: the gated route launches the exact route's pass per segment
+always and lets the device decide (backward._gated_ds_ends). The definition it must meet is
+backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
 
 Barriers (as in state_output_ws.py): loaded / freed per stage (freed: chain + side, 256 arrivals), and
 side_ready / side_free per hand-over slot (i % 2).
@@ -61,6 +63,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
         dh: T.Tensor((num_chunks, HV, K, V), dtype),
         dh0: T.Tensor((num_dh0, HV, K, V), accum),
         scale: T.float32,
+        gate: T.Tensor((1,), "int32"),          # 0: nothing to do (the gated route's count, backward.py)
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
@@ -97,92 +100,93 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
             side_free = T.alloc_barrier(arrive_count=[128, 128])
 
             tx = T.get_thread_binding()
-            if tx < 128:
-                # ---- producer: chunks from the last one back ----
-                T.set_max_nreg(40, 0)
-                for i in T.serial(n_chunks):
-                    s = i % stages
-                    T.barrier_wait(freed[s], ((i // stages) % 2) ^ 1)
-                    t0 = bos + (n_chunks - 1 - i) * C
-                    T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(do[0, t0:t0 + C, hv, v0:v0 + BV], do_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(gamma[hv, c0 + n_chunks - 1 - i, 0:C], g_s[s, :], barrier=loaded[s])
-                    T.barrier_arrive(loaded[s])
-            elif tx < 256:
-                # ---- chain ----
-                T.set_max_nreg(232, 1)
-                if has_dht:
-                    T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
-                else:
-                    T.clear(dS)
-                for i in T.serial(n_chunks):
-                    s = i % stages
-                    h = i % 2
-                    ci = n_chunks - 1 - i
-                    t0 = bos + ci * C
-                    n_valid = T.min(eos - t0, C)
-                    T.barrier_wait(loaded[s], (i // stages) % 2)
-                    T.barrier_wait(side_ready[h], (i // 2) % 2)
-                    T.copy(dS, ds_s)
-                    T.fence_proxy_async()
-                    T.copy(ds_s, dh[c0 + ci, hv, 0:K, v0:v0 + BV])                              # dS_end of the chunk
-                    T.wgmma_gemm(p_s[h, :, :], do_s[s, :, :], acc, transpose_A=True, clear_accum=True)   # P^T dO
-                    T.wgmma_gemm(ek_s[h, :, :], ds_s, acc)                                   # + diag(e) K dS
-                    T.wait_wgmma(0)
-                    T.copy(acc, du_s)
-                    T.fence_proxy_async()
-                    if n_valid == C:
-                        T.copy(du_s, du[0, t0:t0 + C, hv, v0:v0 + BV])
+            if gate[0] > 0:  # every thread reads the same count: the whole CTA leaves or stays
+                if tx < 128:
+                    # ---- producer: chunks from the last one back ----
+                    T.set_max_nreg(40, 0)
+                    for i in T.serial(n_chunks):
+                        s = i % stages
+                        T.barrier_wait(freed[s], ((i // stages) % 2) ^ 1)
+                        t0 = bos + (n_chunks - 1 - i) * C
+                        T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
+                        T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
+                        T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
+                        T.tma_copy(do[0, t0:t0 + C, hv, v0:v0 + BV], do_s[s, :, :], barrier=loaded[s])
+                        T.tma_copy(gamma[hv, c0 + n_chunks - 1 - i, 0:C], g_s[s, :], barrier=loaded[s])
+                        T.barrier_arrive(loaded[s])
+                elif tx < 256:
+                    # ---- chain ----
+                    T.set_max_nreg(232, 1)
+                    if has_dht:
+                        T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
                     else:
+                        T.clear(dS)
+                    for i in T.serial(n_chunks):
+                        s = i % stages
+                        h = i % 2
+                        ci = n_chunks - 1 - i
+                        t0 = bos + ci * C
+                        n_valid = T.min(eos - t0, C)
+                        T.barrier_wait(loaded[s], (i // stages) % 2)
+                        T.barrier_wait(side_ready[h], (i // 2) % 2)
+                        T.copy(dS, ds_s)
+                        T.fence_proxy_async()
+                        T.copy(ds_s, dh[c0 + ci, hv, 0:K, v0:v0 + BV])                              # dS_end of the chunk
+                        T.wgmma_gemm(p_s[h, :, :], do_s[s, :, :], acc, transpose_A=True, clear_accum=True)   # P^T dO
+                        T.wgmma_gemm(ek_s[h, :, :], ds_s, acc)                                   # + diag(e) K dS
+                        T.wait_wgmma(0)
+                        T.copy(acc, du_s)
+                        T.fence_proxy_async()
+                        if n_valid == C:
+                            T.copy(du_s, du[0, t0:t0 + C, hv, v0:v0 + BV])
+                        else:
+                            for r, j in T.Parallel(C, BV):
+                                if r < n_valid:
+                                    du[0, t0 + r, hv, v0 + j] = du_s[r, j]
+                        T.wgmma_gemm(a_s[s, :, :], du_s, acc, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
+                        g_last = g_s[s, n_valid - 1]
+                        for r in T.Parallel(C):
+                            e_x[r] = T.if_then_else(r < n_valid, -T.exp(g_s[s, r]), 0.0)
+                        T.wait_wgmma(0)
+                        for r, j in T.Parallel(C, BV):
+                            gdx_s[r, j] = acc[r, j] * e_x[r]
+                        T.fence_proxy_async()
+                        for r, j in T.Parallel(K, BV):
+                            dS[r, j] = dS[r, j] * T.exp(g_last)
+                        T.wgmma_gemm(q_s[s, :, :], gdo_s[h, :, :], dS, transpose_A=True)        # + Q^T s Gamma dO
+                        T.wgmma_gemm(k_s[s, :, :], gdx_s, dS, transpose_A=True)                  # - K^T Gamma dX
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(side_free[h])
+                        T.barrier_arrive(freed[s])
                         for r, j in T.Parallel(C, BV):
                             if r < n_valid:
-                                du[0, t0 + r, hv, v0 + j] = du_s[r, j]
-                    T.wgmma_gemm(a_s[s, :, :], du_s, acc, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
-                    g_last = g_s[s, n_valid - 1]
-                    for r in T.Parallel(C):
-                        e_x[r] = T.if_then_else(r < n_valid, -T.exp(g_s[s, r]), 0.0)
-                    T.wait_wgmma(0)
-                    for r, j in T.Parallel(C, BV):
-                        gdx_s[r, j] = acc[r, j] * e_x[r]
-                    T.fence_proxy_async()
-                    for r, j in T.Parallel(K, BV):
-                        dS[r, j] = dS[r, j] * T.exp(g_last)
-                    T.wgmma_gemm(q_s[s, :, :], gdo_s[h, :, :], dS, transpose_A=True)        # + Q^T s Gamma dO
-                    T.wgmma_gemm(k_s[s, :, :], gdx_s, dS, transpose_A=True)                  # - K^T Gamma dX
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(side_free[h])
-                    T.barrier_arrive(freed[s])
-                    for r, j in T.Parallel(C, BV):
-                        if r < n_valid:
-                            dv[0, t0 + r, hv, v0 + j] = acc[r, j]
-                if store_dh0:
-                    T.copy(dS, dh0[n, hv, 0:K, v0:v0 + BV])
-            else:
-                # ---- side: the chunk's operands that need no dS ----
-                T.set_max_nreg(232, 1)
-                for i in T.serial(n_chunks):
-                    s = i % stages
-                    h = i % 2
-                    t0 = bos + (n_chunks - 1 - i) * C
-                    n_valid = T.min(eos - t0, C)
-                    T.barrier_wait(loaded[s], (i // stages) % 2)
-                    T.barrier_wait(side_free[h], ((i // 2) % 2) ^ 1)
-                    T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
-                    g_last = g_s[s, n_valid - 1]
-                    for r in T.Parallel(C):
-                        e_k[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[s, r]), 0.0)
-                    for r, j in T.Parallel(C, K):
-                        ek_s[h, r, j] = k_s[s, r, j] * e_k[r]
-                    for r, j in T.Parallel(C, BV):
-                        gdo_s[h, r, j] = T.if_then_else(r < n_valid, do_s[s, r, j] * (scale * T.exp(g_s[s, r])), 0.0)
-                    T.wait_wgmma(0)
-                    for r, c in T.Parallel(C, C):
-                        qk[r, c] = T.if_then_else(r >= c, T.if_then_else(r < n_valid, qk[r, c] * (scale * T.exp(g_s[s, r] - g_s[s, c])), 0.0), 0.0)
-                    T.copy(qk, p_s[h, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(side_ready[h])
-                    T.barrier_arrive(freed[s])
+                                dv[0, t0 + r, hv, v0 + j] = acc[r, j]
+                    if store_dh0:
+                        T.copy(dS, dh0[n, hv, 0:K, v0:v0 + BV])
+                else:
+                    # ---- side: the chunk's operands that need no dS ----
+                    T.set_max_nreg(232, 1)
+                    for i in T.serial(n_chunks):
+                        s = i % stages
+                        h = i % 2
+                        t0 = bos + (n_chunks - 1 - i) * C
+                        n_valid = T.min(eos - t0, C)
+                        T.barrier_wait(loaded[s], (i // stages) % 2)
+                        T.barrier_wait(side_free[h], ((i // 2) % 2) ^ 1)
+                        T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
+                        g_last = g_s[s, n_valid - 1]
+                        for r in T.Parallel(C):
+                            e_k[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[s, r]), 0.0)
+                        for r, j in T.Parallel(C, K):
+                            ek_s[h, r, j] = k_s[s, r, j] * e_k[r]
+                        for r, j in T.Parallel(C, BV):
+                            gdo_s[h, r, j] = T.if_then_else(r < n_valid, do_s[s, r, j] * (scale * T.exp(g_s[s, r])), 0.0)
+                        T.wait_wgmma(0)
+                        for r, c in T.Parallel(C, C):
+                            qk[r, c] = T.if_then_else(r >= c, T.if_then_else(r < n_valid, qk[r, c] * (scale * T.exp(g_s[s, r] - g_s[s, c])), 0.0), 0.0)
+                        T.copy(qk, p_s[h, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(side_ready[h])
+                        T.barrier_arrive(freed[s])
 
     return gdn_backward_state

@@ -198,14 +198,16 @@ class StateLaunch:
     n: int                        # sequences or segments
 
 
-def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs) -> None:
+def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs,
+                block_v: int | None = None) -> None:
     """One state pass: writes O into o, the final states into ht, S0 per chunk into hs, each if given. Without
-    o (the backward's recompute of S0) the three-warpgroup kernel skips the output's loads and products."""
+    o (the backward's recompute of S0) the three-warpgroup kernel skips the output's loads and products.
+    block_v: the V tile, else planned from the program count."""
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
     dev = k.device
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)               # a tensor argument never touched
-    block_v = _plan_block_v(launch.n, HV, dev)
+    block_v = block_v or _plan_block_v(launch.n, HV, dev)
     emit = o is not None or block_v not in WS_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
@@ -324,12 +326,14 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     return o, ht, saved
 
 
-def entering_states(problem: Problem, s: Saved) -> torch.Tensor:
+def entering_states(problem: Problem, s: Saved, out: torch.Tensor | None = None,
+                    block_v: int | None = None) -> torch.Tensor:
     """Every chunk's entering state S0 [num_chunks, HV, K, V] in the inputs' dtype: the forward's if it kept them
-    (KEEP_STATES), else from the forward's state pass run again (same launch, same bits, no output)."""
+    (KEEP_STATES), else from the forward's state pass run again (same launch, same bits whatever its V tile, no
+    output), into `out` where given."""
     if s.hs is not None:
         return s.hs
     HV, K, V = problem.HV, problem.K, problem.V
-    hs = torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
-    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs)
+    hs = out if out is not None else torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
+    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v)
     return hs
