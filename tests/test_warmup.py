@@ -119,6 +119,27 @@ def test_lengths_from_a_first_window_equal_the_full_search(n_chunks, seg, limit,
     assert got == warmup.warmup_chunks(t, g, k, beta, limit, reverse).tolist()
 
 
+def _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed):
+    """(tables, g, k, beta): sequences of `lengths` packed and cut every `seg` chunks, keys of norm 1 to 1.6,
+    gates -U(0, rate), beta U(0, beta_max), all float64."""
+    gen = torch.Generator().manual_seed(seed)
+    H, HV = heads
+    T = sum(lengths)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    k = k * (1 + 0.6 * torch.rand(1, T, H, 1, generator=gen, dtype=torch.float64))
+    g = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * rate
+    beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * beta_max
+    seq_starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cuts, seg_offsets, rows, row = [], [0], [], 0
+    for a, b in zip(seq_starts[:-1], seq_starts[1:]):
+        starts = list(range(a, b, seg * CHUNK))
+        cuts += starts
+        rows += [row + (s - a) // CHUNK for s in starts]
+        row += -(-(b - a) // CHUNK)
+        seg_offsets.append(len(cuts))
+    return warmup.tables(cuts + [T], seg_offsets, rows, seq_starts, torch.device("cpu")), g, k, beta
+
+
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 5 * CHUNK), min_size=1, max_size=3), seg=st.integers(1, 3),
        limit=st.integers(0, 6), heads=st.sampled_from([(1, 1), (1, 3), (2, 4), (2, 6)]), K=st.sampled_from([8, 24]),
@@ -132,22 +153,7 @@ def test_the_search_kernel_matches_its_definition(lengths, seg, limit, heads, K,
     """warmup_chunks (two Triton launches, warmup_bound.py) against the definition in PyTorch:
     several sequences with tails, grouped heads, a K that is not a power of two, keys of norm up to 1.6 and
     beta up to 2 (stretching maps), both directions."""
-    gen = torch.Generator().manual_seed(seed)
-    H, HV = heads
-    T = sum(lengths)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    k = k * (1 + 0.6 * torch.rand(1, T, H, 1, generator=gen, dtype=torch.float64))
-    g = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * rate
-    beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * beta_max
-    seq_starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    cuts, seg_offsets, rows, row = [], [0], [], 0
-    for a, b in zip(seq_starts[:-1], seq_starts[1:]):
-        starts = list(range(a, b, seg * CHUNK))
-        cuts += starts
-        rows += [row + (s - a) // CHUNK for s in starts]
-        row += -(-(b - a) // CHUNK)
-        seg_offsets.append(len(cuts))
-    t = warmup.tables(cuts + [T], seg_offsets, rows, seq_starts, torch.device("cpu"))
+    t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)
     got = warmup.warmup_chunks(t, g, k, beta, limit, reverse).tolist()
     assert got == _warmup_chunks_reference(t, g, k, beta, limit, reverse)
 
@@ -161,25 +167,10 @@ def test_unsettled_count_matches_its_definition(lengths, seg, window, heads, K, 
     """warmup.unsettled (the graph-safe route's device count): a segment with a warm-up of m = min(window,
     available) chunks is settled if m reaches its sequence's boundary or the bound summed over those m chunks is
     <= LOG_BOUND for every head; the count of the others, against the bound in PyTorch."""
-    gen = torch.Generator().manual_seed(seed)
-    H, HV = heads
-    T = sum(lengths)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    k = k * (1 + 0.6 * torch.rand(1, T, H, 1, generator=gen, dtype=torch.float64))
-    g = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * rate
-    beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64) * beta_max
-    seq_starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    cuts, seg_offsets, rows, row = [], [0], [], 0
-    for a, b in zip(seq_starts[:-1], seq_starts[1:]):
-        starts = list(range(a, b, seg * CHUNK))
-        cuts += starts
-        rows += [row + (s - a) // CHUNK for s in starts]
-        row += -(-(b - a) // CHUNK)
-        seg_offsets.append(len(cuts))
-    t = warmup.tables(cuts + [T], seg_offsets, rows, seq_starts, torch.device("cpu"))
+    t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)
     log_b = _log_norm_bound(g, k, beta)
     want = 0
-    for j in range(len(cuts)):
+    for j in range(t.starts.shape[0]):
         avail = (t.after_host if reverse else t.before_host)[j]
         m = min(window, avail)
         if reverse:
