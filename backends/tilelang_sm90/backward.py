@@ -59,9 +59,9 @@ def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
 def _segments(problem: Problem, s: Saved, dev: torch.device):
     """(segment plan, route, warm-up) where the reverse pass runs in segments, else None: the forward's segment
     rule, then, as the forward's (forward._initial_states), where the exact route pays
-    (context_parallel.exact_route_pays) the gated route, warm-up = its fixed window in chunks; elsewhere the
-    warm-up route where every segment's dS_end is within a warm-up's reach (warmup.py, reverse; host reads, so
-    not under CUDA graph capture), warm-up = the chunks per segment. WARMUP_ROUTE off: the exact route alone."""
+    (context_parallel.exact_route_pays) the gated route; elsewhere the warm-up route where every segment's dS_end
+    is within a warm-up's reach (warmup.py, reverse; host reads, so not under CUDA graph capture), warm-up = the
+    chunks per segment (None for the other routes). WARMUP_ROUTE off: the exact route alone."""
     seg = _segment_chunks(s.layout, problem.HV, dev)
     if not seg:
         return None
@@ -69,7 +69,7 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
         if not context_parallel.WARMUP_ROUTE:
             return plan, "exact", None
-        return plan, "gated", min(warmup.reach(seg), warmup.FIRST_WINDOW)
+        return plan, "gated", None
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if context_parallel.WARMUP_ROUTE and not capturing:
         limit = warmup.reach(seg)
@@ -124,14 +124,14 @@ def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> 
                                 _reverse_runner(problem, s, do), reverse=True)
 
 
-def _gated_ds_ends(problem: Problem, s: Saved, plan, window: int, do, dht, scratch) -> torch.Tensor:
+def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> torch.Tensor:
     """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks
-    after each segment (warmup.fixed_warmup), and the exact route behind it, run only where the device counted
+    after each segment (the plan's gated[1]), and the exact route behind it, run only where the device counted
     a segment that warm-up left outside the bound (warmup.unsettled)."""
     dev = do.device
-    gate = warmup.unsettled(plan.warmup, s.g, s.k, s.beta, window, reverse=True)
-    wr = warmup.fixed_warmup(plan.warmup, window, dev, reverse=True)
-    warm = warmup.run_states(wr, dht, (problem.HV, problem.K, problem.V), dev, _reverse_runner(problem, s, do))
+    gate = warmup.unsettled(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
+    warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), dev,
+                             _reverse_runner(problem, s, do))
     exact, _ = _exact_ds_ends(problem, s, plan, do, dht, scratch, gate)
     return torch.where(gate > 0, exact, warm)
 
@@ -202,7 +202,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         if route == "warmup":
             ds_end, dh0 = _warmup_ds_ends(problem, s, plan, m, do, dht), None
         elif route == "gated":
-            ds_end, dh0 = _gated_ds_ends(problem, s, plan, m, do, dht, (du, dv, dh)), None
+            ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht, (du, dv, dh)), None
         else:
             ds_end, dh0 = _exact_ds_ends(problem, s, plan, do, dht, (du, dv, dh))
         # dh0 from the pass over segments (each sequence's first segment) where the route gave none

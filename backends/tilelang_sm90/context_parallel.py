@@ -94,7 +94,9 @@ def available() -> bool:
 class SegmentPlan:
     segments: object                 # triton_generic.context_parallel.Segments
     chunk_offsets: torch.Tensor      # [n_seg + 1] int32: chunk-table row of each segment's first chunk
-    warmup: warmup.WarmupTables      # what the warm-up route needs (warmup.py)
+    warmup: warmup.WarmupTables      # what the warm-up routes need (warmup.py)
+    window: int                      # the gated route's warm-up length in chunks (warmup.window)
+    gated: tuple                     # its launches (warmup.WarmupRun): forward, reverse (the backward's)
 
 
 @functools.lru_cache(maxsize=32)
@@ -107,7 +109,11 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
                                torch.tensor([layout.n_chunks], dtype=torch.int32, device=dev)])
     tables = warmup.tables(segments.cu_seqlens.tolist(), segments.seg_offsets.tolist(),
                            segments.chunk_offsets.tolist(), list(layout.offsets), dev)
-    return SegmentPlan(segments, chunk_offsets, tables)
+    # the gated route's launches for both directions, built here so that no call builds (copies) anything later,
+    # not even a training call captured after an inference-only first call
+    window = warmup.window(seg)
+    gated = tuple(warmup.fixed_warmup(tables, window, dev, reverse) for reverse in (False, True))
+    return SegmentPlan(segments, chunk_offsets, tables, window, gated)
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,

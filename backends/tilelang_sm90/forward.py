@@ -91,10 +91,8 @@ def _initial_states(plan, layout, seg: int, k, a, v, gamma, g, beta, h0, problem
         s0 = _warmup_states(plan, seg, k, a, v, gamma, g, beta, h0, problem)
         return s0, ("warmup" if s0 is not None else None)
     if context_parallel.WARMUP_ROUTE:
-        window = min(warmup.reach(seg), warmup.FIRST_WINDOW)
-        wr = warmup.fixed_warmup(plan.warmup, window, dev)
-        warm = warmup.run_states(wr, h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
-        gate = warmup.unsettled(plan.warmup, g, k, beta, window)
+        warm = warmup.run_states(plan.gated[0], h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
+        gate = warmup.unsettled(plan.warmup, g, k, beta, plan.window)
         route = "gated"
         if intermediates is not None:
             intermediates.update(unsettled=gate)

@@ -22,7 +22,6 @@ reverse-pass kernel from zero (from dht where it reaches the sequence's end).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -154,12 +153,16 @@ def warmup_run(t: WarmupTables, m: list[int] | tuple[int, ...], device: torch.de
                      as_dev(exact), as_dev([t.seq_of[w.segments[i]] for i in exact]))
 
 
-@functools.lru_cache(maxsize=32)
+def window(segment_chunks: int) -> int:
+    """The graph-safe warm-up's length in chunks: FIRST_WINDOW, or less where half a segment is less."""
+    return min(reach(segment_chunks), FIRST_WINDOW)
+
+
 def fixed_warmup(t: WarmupTables, window: int, device: torch.device, reverse: bool = False) -> WarmupRun:
     """The graph-safe warm-up: min(window, available) chunks for every segment, known from the host tables
-    alone, so its launch is built once per plan (cached here) and a captured call reads nothing back. Whether
-    it settled every segment is decided on the device (unsettled); the exact route, gated on that count, covers
-    the segments it did not."""
+    alone, so its launch is built with the segment plan (context_parallel.plan_segments, both directions) and a
+    call, captured or not, reads nothing back. Whether it settled every segment is decided on the device
+    (unsettled); the exact route, gated on that count, covers the segments it did not."""
     avail = t.after_host if reverse else t.before_host
     return warmup_run(t, tuple(min(window, a) for a in avail), device, reverse)
 
