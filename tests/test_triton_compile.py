@@ -1,4 +1,5 @@
-"""Every triton_generic chunked kernel compiles for real GPUs (sm80, sm90) on this CPU machine.
+"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up search, compiles for real GPUs (sm80,
+sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
 ptxas), where a kernel can fail on a GPU while passing in the interpreter. Compiling needs no GPU: ptxas
@@ -26,7 +27,10 @@ CAPABILITIES = (80, 90)
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0"}
-INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "gate"}
+INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "gate", "unsettled"}
+# tilelang_sm90's warm-up search (warmup_bound.py): int64 segment tables, float64 sums, int scalars
+INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out"}
+INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
 KERNELS = {
@@ -45,6 +49,13 @@ KERNELS = {
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
                           REVERSE=False, GATED=False)),
+    # tilelang_sm90's warm-up search runs in Triton too (warmup_bound.py), at a grouped head count
+    "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
+                            dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
+    "warmup_first_settled": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_first_settled_kernel",
+                             dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0)),
+    "warmup_unsettled": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_unsettled_kernel",
+                         dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled), by launch-table
 # name: (their KERNELS entry, compile-time arguments that differ from it)
@@ -62,8 +73,10 @@ def _signature(fn, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("T", "J"):
+        elif name in INT_SCALARS:
             sig[name] = "i32"
+        elif name in INT64_ARGS or name == "sums":
+            sig[name] = "*i64" if name in INT64_ARGS else "*fp64"
         elif name == "scale":
             sig[name] = "fp32"
         else:
@@ -84,7 +97,8 @@ def _compile_all() -> dict:
     from gdnkit.backends.triton_generic import launch
 
     def build(module, function, constexprs, cc, options):
-        fn = getattr(importlib.import_module(f"gdnkit.backends.triton_generic.{module}"), function)
+        path = module if "." in module else f"gdnkit.backends.triton_generic.{module}"
+        fn = getattr(importlib.import_module(path), function)
         sig = _signature(fn, constexprs)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
