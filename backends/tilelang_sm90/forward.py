@@ -327,8 +327,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
 def entering_states(problem: Problem, s: Saved, out: torch.Tensor | None = None,
                     block_v: int | None = None) -> torch.Tensor:
     """Every chunk's entering state S0 [num_chunks, HV, K, V] in the inputs' dtype: the forward's if it kept them
-    (KEEP_STATES), else from the forward's state pass run again (same launch, same bits whatever its V tile, no
-    output), into `out` where given."""
+    (KEEP_STATES), else from the forward's state pass run again (its launch, no output; block_v: another V tile
+    for the same column-separable chain, backward._recompute_beside), into `out` where given."""
     if s.hs is not None:
         return s.hs
     HV, K, V = problem.HV, problem.K, problem.V

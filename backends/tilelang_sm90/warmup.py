@@ -93,8 +93,6 @@ def warmup_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torc
     the gates decay (one chunk is typical), then over all `limit` chunks where that left a segment unsettled
     (a second host read). Reading a whole half-segment window every call cost ~0.25 ms of gathers and casts at
     8/32 1x32768 (H200), as much as the segments saved."""
-    if limit == 0:      # one-chunk segments (tests): nothing to read, every segment but a first (last) is unsettled
-        return [int(a > 0) for a in (t.after_host if reverse else t.before_host)]
     window = min(limit, FIRST_WINDOW)
     m = warmup_chunks(t, g, k, beta, window, reverse).tolist()
     if window < limit and max(m) > window:

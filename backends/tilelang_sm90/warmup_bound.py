@@ -27,8 +27,8 @@ def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
                          REVERSE: tl.constexpr):
     """sums[j, m, hv] = sum over chunk m away from segment j (before it; after it with REVERSE) of
-    log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|), float64 (||k_t||^2 in fp32, as warmup.log_norm_bound);
-    tokens outside the sequence add 0."""
+    log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|), float64 (||k_t||^2 in fp32, as the PyTorch definition in
+    tests/test_warmup.py); tokens outside the sequence add 0."""
     j = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1)
     h = tl.program_id(2)
