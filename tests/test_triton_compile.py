@@ -36,7 +36,7 @@ HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 KERNELS = {
     "state_pass": ("state_pass", "state_pass_kernel",
                    dict(HEADS, BV=32, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False, STORE_H=True, STORE_VNEW=True,
-                        FUSE_OUTPUT=True, PROPAGATOR=False)),
+                        FUSE_OUTPUT=True, PROPAGATOR=False, U_ON_CHIP=True)),
     "backward_state": ("backward_state", "backward_state_kernel",
                        dict(HEADS, BV=32, HAS_DHT=True, STORE_DH0=True, STATE_V_FIRST=True, STORE_DH=True)),
     "output": ("output", "output_kernel", dict(HEADS, BK=64, BV=64)),
@@ -57,14 +57,15 @@ KERNELS = {
     "warmup_unsettled": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_unsettled_kernel",
                          dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
 }
-# the kernels with software-pipelined loops (the others' loops are static_range: unrolled), by launch-table
-# name: (their KERNELS entry, compile-time arguments that differ from it)
+# the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its
+# launch-table name, its KERNELS entry, compile-time arguments that differ from that entry)
 PIPELINED = {
-    "backward_wy": ("backward_wy", {}),
-    "backward_chunk": ("backward_chunk", {}),
-    "reverse": ("backward_state", {}),
-    "fused": ("state_pass", {}),
-    "state": ("state_pass", dict(FUSE_OUTPUT=False)),
+    "backward_wy": ("backward_wy", "backward_wy", {}),
+    "backward_chunk": ("backward_chunk", "backward_chunk", {}),
+    "reverse": ("reverse", "backward_state", {}),
+    "fused": ("fused", "state_pass", {}),
+    "state": ("state", "state_pass", dict(FUSE_OUTPUT=False)),
+    "state-from-wu": ("state", "state_pass", dict(FUSE_OUTPUT=False, U_ON_CHIP=False)),   # the backward's recompute
 }
 
 
@@ -112,14 +113,14 @@ def _compile_all() -> dict:
                 results[f"{name}|{cc}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
             except Exception as exc:  # reported per kernel by the test
                 results[f"{name}|{cc}"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-    for table_name, (kernel, changes) in PIPELINED.items():
+    for name, (table_name, kernel, changes) in PIPELINED.items():
         module, function, constexprs = KERNELS[kernel]
         options = launch.settings(table_name, torch.bfloat16)
         try:
-            ttgir[table_name] = [build(module, function, {**constexprs, **changes}, 90, options).asm["ttgir"],
-                                 options["num_stages"]]
+            ttgir[name] = [build(module, function, {**constexprs, **changes}, 90, options).asm["ttgir"],
+                           options["num_stages"]]
         except Exception as exc:
-            ttgir[table_name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            ttgir[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
     return {"compiled": results, "ttgir": ttgir}
 
 

@@ -25,7 +25,7 @@ from .backward_wy import backward_wy
 from .intra_chunk import intra_chunk
 from .output import output
 from .context_parallel import Segments
-from .state_pass import state_pass
+from .state_pass import NewValues, state_pass
 from .sizes import cdiv, next_power_of_2
 
 # "auto" | "always" | "never": whether the forward computes the output inside the state pass.
@@ -145,22 +145,23 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
     return Plan(fuse, bv, segments)
 
 
-def _states(problem: Problem, p: Plan, q, k, w, u, gcum, h0, T, cu, index: Index, store: bool, want_ht: bool):
+def _states(problem: Problem, p: Plan, q, k, values: NewValues, gcum, h0, T, cu, index: Index, store: bool,
+            want_ht: bool):
     """The forward's sequential part. Returns (o if fused, h, U, final state, [E | P] per segment or None)."""
     K, V, N, HV = problem.K, problem.V, problem.N, problem.HV
     flags = dict(fuse_output=p.fuse_output, store_h=store, store_vnew=store, BV=p.block_v)
     if p.segments is None:
-        o, h, vnew, ht = state_pass(q, k, w, u, gcum, problem.scale, h0, T, N, cu, index.chunk_offsets,
+        o, h, vnew, ht = state_pass(q, k, values, gcum, problem.scale, h0, T, N, cu, index.chunk_offsets,
                                     index.n_chunks, problem.state_v_first, want_ht, **flags)
         return o, h, vnew, ht, None
     sg = p.segments
     aug_bv = 16 if k.dtype == torch.float32 else _widest(K, V + K)
-    aug = state_pass(q, k, w, u, gcum, problem.scale, None, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
+    aug = state_pass(q, k, values, gcum, problem.scale, None, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
                      index.n_chunks, False, False, fuse_output=False, store_h=False, store_vnew=False,
                      BV=aug_bv, propagator=True)[3]
     s0, ht = context_parallel.segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, problem.state_v_first, want_ht,
                                            dot_precision(k.dtype))
-    o, h, vnew, _ = state_pass(q, k, w, u, gcum, problem.scale, s0, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
+    o, h, vnew, _ = state_pass(q, k, values, gcum, problem.scale, s0, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
                                index.n_chunks, False, False, **flags)
     return o, h, vnew, ht, aug
 
@@ -183,13 +184,13 @@ def forward(problem: Problem, inputs: GDNInputs):
         gcum = torch.zeros(g.shape, device=g.device, dtype=torch.float32)
         tmat = None
     else:
-        gcum, tmat, w, u = intra_chunk(k, v, g, beta, T, index.grid_t, cu, index.chunk_indices)
-        if not problem.needs_grad:
-            tmat = None  # inference: free it before the state pass
+        # no W or U' here: the state pass makes each chunk's new values from T, beta and V on chip
+        gcum, tmat, _, _ = intra_chunk(k, v, g, beta, T, index.grid_t, cu, index.chunk_indices, wu=False)
         p = plan(problem, cu, v.device)
-        o, h, vnew, ht, _ = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=not p.fuse_output,
-                                    want_ht=problem.output_final_state)
-        del w, u  # dead before the output pass allocates o (fwd 8/32 1x32768, unfused: peak 1932 -> 1676 MiB)
+        o, h, vnew, ht, _ = _states(problem, p, q, k, NewValues.on_chip(v, beta, tmat), gcum, h0, T, cu, index,
+                                    store=not p.fuse_output, want_ht=problem.output_final_state)
+        if not problem.needs_grad:
+            tmat = None  # inference: freed before the output pass allocates o
         if not p.fuse_output:
             o = output(q, k, vnew, h, gcum, problem.scale, T, index.grid_t, cu, index.chunk_indices)
     saved = None
@@ -219,7 +220,8 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         _, tmat, w, u = intra_chunk(k, v, None, beta, T, index.grid_t, cu, index.chunk_indices, gcum=gcum,
                                     tmat=saved.tmat, precise_u=True)
         p = plan(problem, cu, v.device, fusable=False)
-        _, h, vnew, _, aug = _states(problem, p, q, k, w, u, gcum, h0, T, cu, index, store=True, want_ht=False)
+        _, h, vnew, _, aug = _states(problem, p, q, k, NewValues.from_wu(w, u), gcum, h0, T, cu, index, store=True,
+                                     want_ht=False)
         del u
         du = local_du(q, k, gcum, do, problem.scale, T, index.grid_t, cu, index.chunk_indices)
         if p.segments is None:

@@ -180,12 +180,15 @@ def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
         tl.store(ub + r[:, None] * (HV * V) + cv[None, :], uu.to(dt), mask=m[:, None] & mv[None, :])
 
 
-def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, tmat=None, precise_u=False):
+def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, tmat=None, precise_u=False,
+                wu=True):
     """Launch over (chunks, B*HV). g is the raw per-token log gate unless gcum (log2 units) is given. With
     tmat (T as an earlier call returned it, gcum given too) only W and U' are recomputed from it. precise_u
     (16-bit inputs): U' = T (beta V) with beta V's rounding error carried by a second product, T (beta V - hi),
     instead of dropped: the backward's dg is that rounding's most sensitive consumer (test_gpu_options_gradients_bf16
     at K = 256: dg 9.9e-3 -> 6.6e-3 in the bf16-faithful interpreter; dq, dk 10% lower), W's does not matter there.
+
+    wu=False: no W or U' (the forward's state pass makes the new values from T on chip): both None.
 
     Returns (gcum [B,T,HV] fp32 log2 units, T matrices [B,T,HV,64] in k's dtype, W [B,T,HV,K], U' [B,T,HV,V])."""
     B, _, H, K = k.shape
@@ -206,6 +209,8 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
         launch("solve", k.dtype, solve_kernel, grid, a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen)
         del a
     assert gcum is not None
+    if not wu:
+        return gcum, tmat, None, None
     w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
     launch("w_u", k.dtype, w_u_kernel, grid, k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV,

@@ -1,11 +1,14 @@
 """The sequential pass over chunks (ALGORITHM.md section 2): per (sequence, value head, V block) the state
 S [K, BV] stays in fp32 registers from the first chunk to the last.
 
-Per chunk: U = U' - W S0, S_end = Gamma_C S0 + Kt^T U. With FUSE_OUTPUT the chunk's output
+Per chunk: U = U' - W S0 (or, U_ON_CHIP, T diag(beta) (V - diag(Gamma) K S0): NewValues), S_end = Gamma_C S0 +
+Kt^T U. With FUSE_OUTPUT the chunk's output
 O = scale (Gamma Q S0 + (Q K^T (.) D_incl) U) is formed here too, so neither the per-chunk states nor U
 go to memory; otherwise the states (STORE_H) and U are written for output.py / the backward.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -19,11 +22,12 @@ from .sizes import cdiv
 
 
 @triton.jit(do_not_specialize=["T"])
-def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
+def state_pass_kernel(q, k, w, u, v, beta, tmat, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                       STATE_V_FIRST: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
-                      FUSE_OUTPUT: tl.constexpr, PROPAGATOR: tl.constexpr, PREC: tl.constexpr):
+                      FUSE_OUTPUT: tl.constexpr, PROPAGATOR: tl.constexpr, U_ON_CHIP: tl.constexpr,
+                      PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos, L, boh = sequence_bounds(i_n, T, cu_seqlens, chunk_offsets, IS_VARLEN)
@@ -43,8 +47,6 @@ def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_of
     o64 = tl.arange(0, 64)
     qb = q + bos * H * K + i_hk * K
     kb = k + bos * H * K + i_hk * K
-    wb = w + (bos * HV + i_h) * K
-    ub = u + (bos * HV + i_h) * V
     cb = gcum + bos * HV + i_h
     for it in range(NT):
         r = it * 64 + o64.to(tl.int64)
@@ -53,15 +55,24 @@ def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_of
             hb = h + ((boh + it) * HV + i_h) * K * V
             tl.store(hb + ck[:, None] * V + cv[None, :], S.to(h.dtype.element_ty), mask=mv[None, :])
         Sd = S.to(dt)
-        ww = tl.load(wb + r[:, None] * (HV * K) + ck[None, :], mask=m[:, None], other=0.0)
-        uu = tl.load(ub + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0)
-        un = uu.to(tl.float32) - tl.dot(ww, Sd, input_precision=PREC)
-        if STORE_VNEW:
-            tl.store(vnew + (bos * HV + i_h) * V + r[:, None] * (HV * V) + cv[None, :], un.to(dt),
-                     mask=m[:, None] & mv[None, :])
         gg = tl.load(cb + r * HV, mask=m, other=0.0)
         g_last = tl.load(cb + (tl.minimum(it * 64 + 64, L) - 1) * HV)
         kk = tl.load(kb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
+        tok = (bos + r) * HV + i_h
+        if U_ON_CHIP:
+            # U = T diag(beta) (V - diag(Gamma) K S): W and U' never go through memory (tilelang_sm90's form)
+            vv = tl.load(v + tok[:, None] * V + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0)
+            x = vv.to(tl.float32) - tl.dot(kk, Sd, input_precision=PREC) * tl.exp2(gg)[:, None]
+            bt = tl.load(beta + tok, mask=m, other=0.0).to(tl.float32)
+            xb = tl.where(m[:, None], x * bt[:, None], 0.0)
+            tt = tl.load(tmat + tok[:, None] * 64 + o64[None, :], mask=m[:, None], other=0.0)
+            un = tl.dot(tt, xb.to(dt), input_precision=PREC)
+        else:
+            ww = tl.load(w + tok[:, None] * K + ck[None, :], mask=m[:, None], other=0.0)
+            uu = tl.load(u + tok[:, None] * V + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0)
+            un = uu.to(tl.float32) - tl.dot(ww, Sd, input_precision=PREC)
+        if STORE_VNEW:
+            tl.store(vnew + tok[:, None] * V + cv[None, :], un.to(dt), mask=m[:, None] & mv[None, :])
         if FUSE_OUTPUT:
             qq = tl.load(qb + r[:, None] * (H * K) + ck[None, :], mask=m[:, None], other=0.0)
             qk = tl.dot(qq, tl.trans(kk), input_precision=PREC)
@@ -89,18 +100,21 @@ def state_pass_kernel(q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_of
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
 
 
-def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
+def state_pass(q, k, values, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_chunks, state_v_first,
                output_final_state, fuse_output, store_h, store_vnew, BV, propagator=False):
     """Returns (o or None, h [n_chunks, HV, K, V] or None, U or None, final state or None).
 
+    values: where each chunk's new values U come from: NewValues.from_wu (U = U' - W S, W and U' from
+    intra_chunk) or NewValues.on_chip (U = T diag(beta) (V - diag(Gamma) K S), from V, beta and T).
     propagator=True (a pass over segments of context parallelism): from a zero state, the final states
     come back as [N, HV, K, V + K] = [E | P], S_end = P S0 + E; nothing else is written."""
     B, _, H, K = k.shape
-    HV, V = u.shape[2], u.shape[3]
+    like = values.like
+    HV, V = like.shape[2], like.shape[3]
     dev = k.device
     h = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store_h else None
-    vnew = torch.empty_like(u) if store_vnew else None
-    o = packed_output(u.shape, cu_seqlens, device=dev, dtype=u.dtype) if fuse_output else None
+    vnew = torch.empty_like(like) if store_vnew else None
+    o = packed_output(like.shape, cu_seqlens, device=dev, dtype=like.dtype) if fuse_output else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=dev, dtype=torch.float32) if output_final_state else None
     columns = V
@@ -109,8 +123,36 @@ def state_pass(q, k, w, u, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n_c
         ht = torch.empty(N, HV, K, V + K, device=dev, dtype=torch.float32)
         columns = V + K
     launch("fused" if fuse_output else "state", k.dtype, state_pass_kernel, (cdiv(columns, BV), N * HV),
-        q, k, w, u, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
-        H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, STORE_H=store_h, STORE_VNEW=store_vnew,
-        FUSE_OUTPUT=fuse_output, PROPAGATOR=propagator, PREC=dot_precision(k.dtype))
+        q, k, values.w, values.u, values.v, values.beta, values.tmat, gcum, h, vnew, o, h0, ht, cu_seqlens,
+        chunk_offsets, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None,
+        HAS_H0=h0 is not None, STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, STORE_H=store_h,
+        STORE_VNEW=store_vnew, FUSE_OUTPUT=fuse_output, PROPAGATOR=propagator, U_ON_CHIP=values.v is not None,
+        PREC=dot_precision(k.dtype))
     return o, h, vnew, ht
+
+
+@dataclasses.dataclass(frozen=True)
+class NewValues:
+    """The state pass's source of each chunk's new values U. from_wu: U = U' - W S with W, U' [B, T, HV, K / V]
+    from intra_chunk's w_u kernel (the backward: its U' keeps beta V's rounding error, intra_chunk's precise_u).
+    on_chip: U = T diag(beta) (V - diag(Gamma) K S) with T [B, T, HV, 64] in k's dtype, beta [B, T, HV] and V:
+    no W or U' in memory (the forward: one launch and ~1 GB of traffic fewer at 8/32 1x32768, one 64 x 64 x BV
+    product more on the chain per chunk)."""
+    w: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    beta: torch.Tensor | None = None
+    tmat: torch.Tensor | None = None
+
+    @staticmethod
+    def from_wu(w, u) -> "NewValues":
+        return NewValues(w=w, u=u)
+
+    @staticmethod
+    def on_chip(v, beta, tmat) -> "NewValues":
+        return NewValues(v=v, beta=beta, tmat=tmat)
+
+    @property
+    def like(self) -> torch.Tensor:
+        """A tensor shaped and typed as U."""
+        return self.u if self.u is not None else self.v
