@@ -678,15 +678,16 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
     assert calls and set(calls) <= family, set(calls) - family
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-warmup",
+@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-mixed-gates",
+                                  "segments-warmup",
                                   "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
     reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
     With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
-    the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle, and
-    gates that barely decay), the warm-up route with lengths read back (where the exact route
+    the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle,
+    gates that barely decay, and one head of each), the warm-up route with lengths read back (where the exact route
     does not pay), or the exact route alone. The kernels are float64 stand-ins of their contracts; every
     gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
@@ -720,7 +721,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     varlen = case == "varlen-gva-options"
-    H, HV = (1, 2) if varlen else (1, 1)
+    H, HV = (1, 2) if varlen or case == "segments-mixed-gates" else (1, 1)
     B, T, lengths = {"dense": (2, 100, None), "varlen-gva-options": (1, 300, [130, 0, 167])}.get(
         case, (1, 400, [333, 0, 60]))
     N = B if lengths is None else len(lengths)
@@ -729,7 +730,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         q, k = F.normalize(q.float(), dim=-1).half(), F.normalize(k.float(), dim=-1).half()
     v, g, beta = r(B, T, HV, V).half(), r(B, T, HV), r(B, T, HV)
     if not varlen:
-        g, beta = F.logsigmoid(g) * (1e-3 if case == "segments-weak-gates" else 0.3), torch.sigmoid(beta)
+        scale = {"segments-weak-gates": 1e-3, "segments-mixed-gates": torch.tensor([0.3, 1e-3])}.get(case, 0.3)
+        g, beta = F.logsigmoid(g) * scale, torch.sigmoid(beta)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
                 use_beta_sigmoid_in_kernel=True) if varlen else {}
     h0 = r(N, HV, K, V) * 0.1
@@ -769,7 +771,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     # weak gates leave segments 0 and 1 unsettled, which need the transitions of segments 1 and 2
     backward_flags = [f for reverse, f in flags if reverse]
     assert backward_flags == {"segments": [[[0], [0], [0], [0]]],
-                              "segments-weak-gates": [[[0], [1], [1], [0]]]}.get(case, []), flags
+                              "segments-weak-gates": [[[0], [1], [1], [0]]],
+                              "segments-mixed-gates": [[[0, 0], [0, 1], [0, 1], [0, 0]]]}.get(case, []), flags
     _assert_in_family(calls, H, HV, "float16", training=True)
 
 
