@@ -990,7 +990,7 @@ def test_backward_state_matches_reference_chunked_backward():
         dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
         dh0 = torch.full((1, HV, K, V), float("nan"), device=dev)
         kernel(q, k, got["a"], do, got["gamma"].reshape(HV, nc, 64), layout.cu_seqlens, layout.chunk_offsets, dht,
-               du, dv, dh, dh0, float(problem.scale), torch.ones(1, device=dev, dtype=torch.int32))
+               du, dv, dh, dh0, float(problem.scale), open_gate(q.device, HV))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
@@ -1039,7 +1039,7 @@ def test_chunk_grads_matches_reference_chunked_backward():
         stub = torch.empty(1, HV, K, V, device=dev)
         bwd.backward_state_kernel(H, HV, dt, True, False, 64)(q, k, got["a"], do, gamma, layout.cu_seqlens,
                                                                layout.chunk_offsets, dht, du, dv, dh, stub,
-                                                               float(problem.scale))
+                                                               float(problem.scale), bwd.open_gate(q.device, HV))
         outs = [torch.full((1, T, H, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
         bwd.chunk_grads_kernel(H, HV, dt, "float32")(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,

@@ -48,7 +48,7 @@ KERNELS = {
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
-                          REVERSE=False, GATED=False)),
+                          REVERSE=False, GATED=False, f=None, need=None, warm=None)),  # None: as launched
     "segment_scan_gated": ("context_parallel", "segment_scan_kernel",
                            dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=False,
                                 STATE_V_FIRST=False, REVERSE=True, GATED=True)),

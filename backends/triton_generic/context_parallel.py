@@ -26,6 +26,20 @@ from .sizes import cdiv, next_power_of_2
 
 
 @triton.jit
+def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, REVERSE: tl.constexpr):
+    """One step of the scan through segment s: P S + E (forward) or P^T S + F (REVERSE)."""
+    ab = aug + (s * HV + i_h) * K * (V + K)
+    if REVERSE:
+        E = tl.load(f + (s * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
+        P = tl.load(ab + ck[None, :] * (V + K) + V + ck[:, None])
+    else:
+        E = tl.load(ab + ck[:, None] * (V + K) + cv[None, :], mask=mv[None, :], other=0.0)
+        P = tl.load(ab + ck[:, None] * (V + K) + V + ck[None, :])
+    return tl.dot(P, S, input_precision=PREC) + E
+
+
+@triton.jit
 def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, need, warm, PREC: tl.constexpr, HV: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
                         STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr,
@@ -39,6 +53,7 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, need, warm, PREC: tl.co
     s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
     s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
     ck, cv, mv, s_off = state_tile(i_v, K, V, BV, STATE_V_FIRST)
+    tile = ck[:, None] * V + cv[None, :]
     S = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0)
@@ -50,23 +65,15 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, need, warm, PREC: tl.co
         else:
             s = s_begin + j
             nxt = s + 1
-        tile = ck[:, None] * V + cv[None, :]
         tl.store(s0 + (s * HV + i_h) * K * V + tile, S, mask=mv[None, :])
+        # warm is only touched under the constexpr GATED: the ungated build has no warm tensor to load from
         if GATED:
-            needed = tl.load(need + s * HV + i_h)
+            if tl.load(need + s * HV + i_h) != 0:
+                S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
+            elif j + 1 < n:
+                S = tl.load(warm + (nxt * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
         else:
-            needed = 1
-        if needed != 0:
-            ab = aug + (s * HV + i_h) * K * (V + K)
-            if REVERSE:
-                E = tl.load(f + (s * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
-                P = tl.load(ab + ck[None, :] * (V + K) + V + ck[:, None])
-            else:
-                E = tl.load(ab + ck[:, None] * (V + K) + cv[None, :], mask=mv[None, :], other=0.0)
-                P = tl.load(ab + ck[:, None] * (V + K) + V + ck[None, :])
-            S = tl.dot(P, S, input_precision=PREC) + E
-        elif j + 1 < n:
-            S = tl.load(warm + (nxt * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
+            S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
 
