@@ -570,14 +570,14 @@ def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True):
 def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
     """What the propagator writes per segment (of cu): [E | P], the chain S -> Gamma_C S + K^T diag(Gamma_C /
     Gamma) Tb (V - diag(Gamma) K S) run from zeros with V (E), and from the identity with V = 0 (P); nothing
-    where gate[0] is 0."""
-    if int(gate[0]) == 0:
-        return
+    for a (segment, head) whose gate holds 0 (gate [rows, HV]: row n, or its last row)."""
     grp = a.shape[2] // k.shape[2]
     Kd, Vd = k.shape[-1], v.shape[-1]
     for n in range(cu.numel() - 1):
         bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
         for hv in range(a.shape[2]):
+            if int(gate[min(n, gate.shape[0] - 1), hv]) == 0:
+                continue
             S = torch.cat([torch.zeros(Kd, Vd, dtype=torch.float64), torch.eye(Kd, dtype=torch.float64)], dim=1)
             for ic in range(-(-(eos - bos) // 64)):
                 t0 = bos + ic * 64
@@ -593,14 +593,14 @@ def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
 
 def _backward_state_stand_in(has_dht, store_dh0):
     """What the backward's reverse pass writes: per chunk its dS_end (bf16, also the operand the chain uses),
-    dU and dX rows, and dh0; nothing where gate[0] is 0."""
+    dU and dX rows, and dh0; nothing for a (segment, head) whose gate holds 0 (as the propagator's)."""
     def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate):
-        if int(gate[0]) == 0:
-            return
         grp = a.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
             for hv in range(a.shape[2]):
+                if int(gate[min(n, gate.shape[0] - 1), hv]) == 0:
+                    continue
                 dS = dht[n, hv].double() if has_dht else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
                 for ic in reversed(range(-(-(eos - bos) // 64))):
                     t0 = bos + ic * 64
@@ -678,15 +678,16 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
     assert calls and set(calls) <= family, set(calls) - family
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-warmup",
+@pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-mixed-gates",
+                                  "segments-warmup",
                                   "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
     reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
     With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
-    the chunks after it, the exact route behind it, run where the device counts an unsettled segment: gates
-    that settle, and gates that barely decay), the warm-up route with lengths read back (where the exact route
+    the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle,
+    gates that barely decay, and one head of each), the warm-up route with lengths read back (where the exact route
     does not pay), or the exact route alone. The kernels are float64 stand-ins of their contracts; every
     gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
@@ -700,10 +701,10 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
     if case == "segments-warmup":
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
-    counts = []   # the gated routes' device counts: (reverse, unsettled segments)
-    real_unsettled = bwd.warmup.unsettled
-    monkeypatch.setattr(bwd.warmup, "unsettled", lambda *a, reverse=False: counts.append(
-        (reverse, int(real_unsettled(*a, reverse=reverse)[0]))) or real_unsettled(*a, reverse=reverse))
+    flags = []   # the gated routes' device flags: (reverse, transitions needed per segment and head)
+    real_needed = bwd.warmup.transitions_needed
+    monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False: flags.append(
+        (reverse, real_needed(*a, reverse=reverse).tolist())) or real_needed(*a, reverse=reverse))
     calls = []
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
@@ -720,7 +721,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     varlen = case == "varlen-gva-options"
-    H, HV = (1, 2) if varlen else (1, 1)
+    H, HV = (1, 2) if varlen or case == "segments-mixed-gates" else (1, 1)
     B, T, lengths = {"dense": (2, 100, None), "varlen-gva-options": (1, 300, [130, 0, 167])}.get(
         case, (1, 400, [333, 0, 60]))
     N = B if lengths is None else len(lengths)
@@ -729,7 +730,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         q, k = F.normalize(q.float(), dim=-1).half(), F.normalize(k.float(), dim=-1).half()
     v, g, beta = r(B, T, HV, V).half(), r(B, T, HV), r(B, T, HV)
     if not varlen:
-        g, beta = F.logsigmoid(g) * (1e-3 if case == "segments-weak-gates" else 0.3), torch.sigmoid(beta)
+        scale = {"segments-weak-gates": 1e-3, "segments-mixed-gates": torch.tensor([0.3, 1e-3])}.get(case, 0.3)
+        g, beta = F.logsigmoid(g) * scale, torch.sigmoid(beta)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
                 use_beta_sigmoid_in_kernel=True) if varlen else {}
     h0 = r(N, HV, K, V) * 0.1
@@ -765,8 +767,12 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
     # segments: 333 tokens in 2-chunk segments; the gates decay by ~15 a chunk, so 1 chunk (warmup.reach) reaches e^-12
     assert warmups == ([[1, 1, 0, 0]] if case == "segments-warmup" else [])
-    backward_counts = [n for reverse, n in counts if reverse]
-    assert backward_counts == {"segments": [0], "segments-weak-gates": [2]}.get(case, []), counts
+    # the backward's: 4 segments (3 of the first sequence, one of the third; the second is empty), one head;
+    # weak gates leave segments 0 and 1 unsettled, which need the transitions of segments 1 and 2
+    backward_flags = [f for reverse, f in flags if reverse]
+    assert backward_flags == {"segments": [[[0], [0], [0], [0]]],
+                              "segments-weak-gates": [[[0], [1], [1], [0]]],
+                              "segments-mixed-gates": [[[0, 0], [0, 1], [0, 1], [0, 0]]]}.get(case, []), flags
     _assert_in_family(calls, H, HV, "float16", training=True)
 
 
@@ -815,15 +821,16 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
 
 
 @pytest.mark.parametrize("route,gate_scale,settled", [("exact", 0.3, None), ("gated", 3.0, True),
-                                                    ("gated", 1e-3, False), ("warmup", 0.3, None)],
-                         ids=["exact", "gated-settled", "gated-unsettled", "warmup"])
+                                                    ("gated", 1e-3, False), ("gated", (3.0, 1e-3), "mixed"),
+                                                    ("warmup", 0.3, None)],
+                         ids=["exact", "gated-settled", "gated-unsettled", "gated-mixed", "warmup"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
 def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, gate_scale, settled, monkeypatch):
     """The context-parallel forward's glue: segment plan, the segments' initial states (exact: the
     propagator's [E | P] handed to triton_generic's segment scan, interpreted here; warmup: the gathered
     warm-up chunks through the state kernel, lengths read back; gated: a fixed warm-up and the exact route
-    behind it, run or skipped by the device's count of unsettled segments, for gates that settle in a chunk and
-    gates that barely decay), then the state pass over segments from those states, which also gives the final
+    behind it, run or skipped per (segment, head) by the device's flags, for gates that settle in a chunk,
+    gates that barely decay, and one head of each), then the state pass over segments from those states, which also gives the final
     states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
     everything around them against the plain path and float64."""
     pytest.importorskip("triton")
@@ -843,7 +850,8 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = F.normalize(r(1, T, H, K), dim=-1).half()
     k = F.normalize(r(1, T, H, K), dim=-1).half()
-    v, g, beta = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * gate_scale, torch.rand(1, T, HV, generator=gen)
+    v, g = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * torch.tensor(gate_scale)
+    beta = torch.rand(1, T, HV, generator=gen)
     h0 = r(N, HV, V, K) * 0.1 if state else None  # state_v_first layout
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -861,7 +869,11 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
         results[segs] = fwd.forward(problem, inputs, intermediates=got)[:2]
         assert got["context_parallel"] == (route if segs else None)
         if segs and route == "gated":
-            assert (int(got["unsettled"][0]) == 0) == settled
+            need = got["transitions_needed"]
+            if settled == "mixed":   # head 0 decays, head 1 barely: only head 1's transitions run
+                assert need[:, 0].sum() == 0 and need[:, 1].sum() > 0
+            else:
+                assert (int(need.sum()) == 0) == settled
     d = lambda t: None if t is None else t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu, state_v_first=True)
@@ -886,7 +898,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
-    (gated: whether the fixed warm-up settled every segment, as the device counted)."""
+    (gated: whether the fixed warm-up settled every segment, as the device flagged)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -915,7 +927,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
         assert got["context_parallel"] == route
         if route == "gated":
-            assert (int(got["unsettled"][0]) == 0) == settled
+            assert (int(got["transitions_needed"].sum()) == 0) == settled
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                    output_final_state=True, cu_seqlens=cu)
@@ -978,7 +990,7 @@ def test_backward_state_matches_reference_chunked_backward():
         dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
         dh0 = torch.full((1, HV, K, V), float("nan"), device=dev)
         kernel(q, k, got["a"], do, got["gamma"].reshape(HV, nc, 64), layout.cu_seqlens, layout.chunk_offsets, dht,
-               du, dv, dh, dh0, float(problem.scale), torch.ones(1, device=dev, dtype=torch.int32))
+               du, dv, dh, dh0, float(problem.scale), open_gate(q.device, HV))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
@@ -1027,7 +1039,7 @@ def test_chunk_grads_matches_reference_chunked_backward():
         stub = torch.empty(1, HV, K, V, device=dev)
         bwd.backward_state_kernel(H, HV, dt, True, False, 64)(q, k, got["a"], do, gamma, layout.cu_seqlens,
                                                                layout.chunk_offsets, dht, du, dv, dh, stub,
-                                                               float(problem.scale))
+                                                               float(problem.scale), bwd.open_gate(q.device, HV))
         outs = [torch.full((1, T, H, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
         bwd.chunk_grads_kernel(H, HV, dt, "float32")(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,

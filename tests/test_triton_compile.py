@@ -26,8 +26,8 @@ CAPABILITIES = (80, 90)
 # The buffers the backend allocates in fp32 whatever the inputs' dtype; every other pointer is a 16-bit input
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
-             "s0"}
-INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "gate", "unsettled"}
+             "s0", "warm"}
+INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need"}
 # tilelang_sm90's warm-up search (warmup_bound.py): int64 segment tables, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out"}
 INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride"}
@@ -48,14 +48,17 @@ KERNELS = {
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
-                          REVERSE=False, GATED=False)),
+                          REVERSE=False, GATED=False, f=None, need=None, warm=None)),  # None: as launched
+    "segment_scan_gated": ("context_parallel", "segment_scan_kernel",
+                           dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=False,
+                                STATE_V_FIRST=False, REVERSE=True, GATED=True)),
     # tilelang_sm90's warm-up search runs in Triton too (warmup_bound.py), at a grouped head count
     "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
     "warmup_first_settled": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_first_settled_kernel",
                              dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0)),
-    "warmup_unsettled": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_unsettled_kernel",
-                         dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
+    "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
+                     dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its
 # launch-table name, its KERNELS entry, compile-time arguments that differ from that entry)

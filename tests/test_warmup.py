@@ -163,23 +163,27 @@ def test_the_search_kernel_matches_its_definition(lengths, seg, limit, heads, K,
        window=st.integers(0, 5), heads=st.sampled_from([(1, 1), (1, 3), (2, 4)]), K=st.sampled_from([8, 24]),
        rate=st.sampled_from([1e-3, 0.05, 0.3, 1.0]), beta_max=st.sampled_from([1.0, 2.0]), reverse=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_unsettled_count_matches_its_definition(lengths, seg, window, heads, K, rate, beta_max, reverse, seed):
-    """warmup.unsettled (the graph-safe route's device count): a segment with a warm-up of m = min(window,
-    available) chunks is settled if m reaches its sequence's boundary or the bound summed over those m chunks is
-    <= LOG_BOUND for every head; the count of the others, against the bound in PyTorch."""
+def test_needed_transitions_match_their_definition(lengths, seg, window, heads, K, rate, beta_max, reverse, seed):
+    """warmup.transitions_needed (the gated route's device flags): per segment j and value head, a warm-up of
+    m = min(window, available) chunks is settled if m reaches the sequence's boundary or the bound summed over
+    those m chunks is <= LOG_BOUND; where it is not, the segment handing j its state (j - 1; j + 1 with reverse)
+    is flagged. Against the bound in PyTorch; every other flag is 0."""
     t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)
     log_b = _log_norm_bound(g, k, beta)
-    want = 0
+    want = torch.zeros(t.starts.shape[0], heads[1], dtype=torch.int32)
     for j in range(t.starts.shape[0]):
         avail = (t.after_host if reverse else t.before_host)[j]
         m = min(window, avail)
+        if avail == 0:
+            continue
         if reverse:
             lo, hi = t.ends_host[j], min(t.ends_host[j] + CHUNK * m, t.seq_ends_host[j])
         else:
             lo, hi = t.starts_host[j] - CHUNK * m, t.starts_host[j]
-        want += not (m == avail or (log_b[lo:hi].sum(0) <= warmup.LOG_BOUND).all())
-    got = warmup.unsettled(t, g, k, beta, window, reverse)
-    assert got.dtype == torch.int32 and got.tolist() == [want]
+        unsettled = (m < avail) & (log_b[lo:hi].sum(0) > warmup.LOG_BOUND)
+        want[j + 1 if reverse else j - 1] = unsettled.to(torch.int32)
+    got = warmup.transitions_needed(t, g, k, beta, window, reverse)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
 def test_launch_gathers_each_warmup_as_its_own_sequence():

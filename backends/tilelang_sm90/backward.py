@@ -79,23 +79,24 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     return None
 
 
-def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch, gate=None):
+def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch, need=None, warm=None):
     """(dS_end of every segment, the sequences' dh0 or None), exactly: each segment's transition P (the
     forward's propagator), its dS at the start from a zero dS_end (the reverse pass per segment), then the
-    reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. gate ([1] int32 on the device): the three launches
-    do nothing where it holds 0 (the returns are then unwritten), and dh0 is left to the caller."""
+    reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. need ([n_seg, HV] int32) and warm (the gated
+    route): only the pairs need marks get P and F, the scan takes warm's dS_end elsewhere, and dh0 is left to the
+    caller."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
-    run_if = open_gate(dev) if gate is None else gate
+    gate = open_gate(dev, HV) if need is None else need
     aug = torch.empty(n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
-    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, run_if)
+    propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
     f = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
     backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, placeholder, *scratch, f,
-        float(problem.scale), run_if)
-    return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and gate is None, s.k.dtype,
-                                           f=f, gate=gate)
+        float(problem.scale), gate)
+    return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
+                                           f=f, need=need, warm=warm)
 
 
 def _reverse_runner(problem: Problem, s: Saved, do):
@@ -112,7 +113,7 @@ def _reverse_runner(problem: Problem, s: Saved, do):
         kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
                                        _plan_block_v(len(w.segments), HV, dev))
         kernel(qw, kw, aw, dow, s.gamma[:, w.chunk_rows].contiguous(), w.cu_seqlens, w.chunk_offsets, init,
-               *scratch, dh_w, states, float(problem.scale), open_gate(dev))
+               *scratch, dh_w, states, float(problem.scale), open_gate(dev, HV))
         return states
     return run
 
@@ -126,14 +127,13 @@ def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> 
 
 def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> torch.Tensor:
     """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks
-    after each segment (the plan's gated[1]), and the exact route behind it, run only where the device counted
-    a segment that warm-up left outside the bound (warmup.unsettled)."""
+    after each segment (the plan's gated[1]), and the exact route behind it, run only for the (segment, head)
+    pairs whose predecessor that warm-up left outside the bound (warmup.transitions_needed)."""
     dev = do.device
-    gate = warmup.unsettled(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
+    need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
     warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), dev,
                              _reverse_runner(problem, s, do))
-    exact, _ = _exact_ds_ends(problem, s, plan, do, dht, scratch, gate)
-    return torch.where(gate > 0, exact, warm)
+    return _exact_ds_ends(problem, s, plan, do, dht, scratch, need, warm)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +193,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, block_v)
         kernel(s.q, s.k, s.a, do, s.gamma, layout.cu_seqlens, layout.chunk_offsets,
                placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
-               float(problem.scale), open_gate(dev))
+               float(problem.scale), open_gate(dev, HV))
     else:
         # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, exactly, or
         # the gated pair of both), then the reverse pass per segment from those
@@ -210,7 +210,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
             if store_dh0 and dh0 is None else None
         kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, block_v)
         kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, ds_end, du, dv, dh,
-               placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev))
+               placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev, HV))
         if dh0_seg is not None:  # each sequence's first segment; a sequence without tokens passes dht through
             dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
             empty = [n for n, length in enumerate(layout.lengths) if length == 0]

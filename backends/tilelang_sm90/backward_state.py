@@ -10,9 +10,9 @@
                                  diag(Gamma_C / Gamma) K and s diag(Gamma) dO, handed over in bf16
 
 The side warpgroup works on chunk i + 1 while the chain finishes chunk i, as the output warpgroup does in the
-forward. Where `gate` holds 0 the CTA does nothing: the gated route launches the exact route's pass per segment
-always and lets the device decide (backward._gated_ds_ends). The definition it must meet is
-backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
+forward. Where `gate` holds 0 for its (segment, head) a CTA does nothing: the gated route launches the exact
+route's pass per segment always and lets the device decide (backward._gated_ds_ends). The definition it must meet
+is backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
 
 Barriers (as in state_output_ws.py): loaded / freed per stage (freed: chain + side, 256 arrivals), and
 side_ready / side_free per hand-over slot (i % 2).
@@ -47,6 +47,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
     num_seqs = T.dynamic("num_seqs")
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
+    num_gates = T.dynamic("num_gates")
 
     @T.prim_func
     def gdn_backward_state(
@@ -63,7 +64,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
         dh: T.Tensor((num_chunks, HV, K, V), dtype),
         dh0: T.Tensor((num_dh0, HV, K, V), accum),
         scale: T.float32,
-        gate: T.Tensor((1,), "int32"),          # 0: nothing to do (the gated route's count, backward.py)
+        gate: T.Tensor((num_gates, HV), "int32"),   # 0: nothing to do (the gated route's flags, backward.py)
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
@@ -100,7 +101,8 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
             side_free = T.alloc_barrier(arrive_count=[128, 128])
 
             tx = T.get_thread_binding()
-            if gate[0] > 0:  # every thread reads the same count: the whole CTA leaves or stays
+            # the flag of this CTA's (segment, head); one row of ones (forward.open_gate) opens every CTA
+            if gate[T.min(n, num_gates - 1), hv] > 0:  # every thread reads the same flag: the CTA leaves or stays
                 if tx < 128:
                     # ---- producer: chunks from the last one back ----
                     T.set_max_nreg(40, 0)

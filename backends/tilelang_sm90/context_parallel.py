@@ -14,8 +14,9 @@ state (ALGORITHM.md section 4), found by one of three routes:
         ~1.3 output passes, so it is taken only where it pays (exact_route_pays): alone where WARMUP_ROUTE is
         off (tests), else behind the gated warm-up. Where it does not pay, a failed warm-up means no segments.
     gated (where the exact route pays): a warm-up of a fixed few chunks, then the exact route's kernels
-        launched behind it but run only where the device counted a segment the warm-up left outside the bound
-        (forward._initial_states); no host read, so a CUDA graph captures it with either outcome.
+        launched behind it but run only for the (segment, head) pairs whose successor the warm-up left outside
+        the bound, flagged on the device; the scan takes the warm state or the transition's per pair
+        (forward._initial_states); no host read, so a CUDA graph captures it whatever the flags.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -117,14 +118,15 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,
-                   f: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+                   f: torch.Tensor | None = None, need: torch.Tensor | None = None, warm: torch.Tensor | None = None):
     """Step 2, from step 1's aug [n_seg, HV, K, V + K]: every segment's initial state [n_seg, HV, K, V] fp32 and
     the sequences' final states. With f (the backward's dS at each segment's start from a zero dS_end), the
     reverse scan dS_end_{j-1} = P_j^T dS_end_j + f_j instead: h0 is dht, and it returns every segment's dS_end
-    and the sequences' dh0. gate: as the propagator's (nothing written where it holds 0)."""
+    and the sequences' dh0. need, warm (the gated route): each segment's state from warm where need says its
+    neighbour's transition was not computed."""
     from gdnkit.backends.triton_generic._common import dot_precision
     from gdnkit.backends.triton_generic.context_parallel import segment_scan
 
     _, HV, K, VK = aug.shape
     return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,
-                        dot_precision(dtype), f=f, gate=gate)
+                        dot_precision(dtype), f=f, need=need, warm=warm)

@@ -81,9 +81,10 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
 def _initial_states(plan, layout, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates):
     """(every segment's initial state [n_seg, HV, K, V] fp32, the route) or (None, None) for no segments.
     Where the exact route pays (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length
-    with the exact route behind it, launched always and run only where the warm-up left a segment outside the
-    bound (decided on the device: no host read, so CUDA graphs capture it). Elsewhere segments pay only by
-    warm-up: warm-ups as long as needed, learned by host reads (none under capture: no segments there)."""
+    with the exact route behind it, launched always and run only for the (segment, head) pairs whose successor
+    the warm-up left outside the bound (decided on the device: no host read, so CUDA graphs capture it; the
+    segment scan takes each warm state or the transition's). Elsewhere segments pay only by warm-up: warm-ups as
+    long as needed, learned by host reads (none under capture: no segments there)."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
     pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
@@ -92,23 +93,23 @@ def _initial_states(plan, layout, seg: int, k, a, v, gamma, g, beta, h0, problem
         return s0, ("warmup" if s0 is not None else None)
     if context_parallel.WARMUP_ROUTE:
         warm = warmup.run_states(plan.gated[0], h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
-        gate = warmup.unsettled(plan.warmup, g, k, beta, plan.window)
-        route = "gated"
+        need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window)
+        gate, route = need, "gated"
         if intermediates is not None:
-            intermediates.update(unsettled=gate)
+            intermediates.update(transitions_needed=need)
     else:
-        warm, gate, route = None, open_gate(dev), "exact"
+        warm, need, gate, route = None, None, open_gate(dev, HV), "exact"
     aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
     propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
-    exact, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, gate=None if warm is None else gate)
-    # where the warm-up settled every segment the exact kernels wrote nothing: their output is never selected
-    return (exact if warm is None else torch.where(gate > 0, exact, warm)), route
+    s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, need=need, warm=warm)
+    return s0, route
 
 
-@functools.lru_cache(maxsize=8)
-def open_gate(device: torch.device) -> torch.Tensor:
-    """The propagator's gate where no warm-up precedes it: always run (never written)."""
-    return torch.ones(1, dtype=torch.int32, device=device)
+@functools.lru_cache(maxsize=16)
+def open_gate(device: torch.device, HV: int) -> torch.Tensor:
+    """The gate of the propagator and the reverse pass where no warm-up decides: one row of ones, every CTA runs
+    (never written)."""
+    return torch.ones(1, HV, dtype=torch.int32, device=device)
 
 
 def _warmup_runner(problem: Problem, k, a, v, gamma):

@@ -9,8 +9,9 @@ linear in (S, V). E is it run from S_0 = 0, and P it run on the K x K identity w
 runs the state chain alone, with no output, on a BV-wide column tile of [E | P]: tiles left of V start from
 zeros and read V, tiles right of it start from identity columns and read no V. It reads what the plain
 forward reads (K, Tb, V, gamma), so context parallelism needs no other intra-kernel output. It writes aug
-[segments, HV, K, V + K] fp32, the layout triton_generic's segment scan reads. It does nothing where `gate` holds
-0: the graph-safe warm-up route launches it always and lets the device decide (forward._gated_initial_states).
+[segments, HV, K, V + K] fp32, the layout triton_generic's segment scan reads. A CTA does nothing where `gate`
+holds 0 for its (segment, head): the gated route launches it always and lets the device decide which pairs need
+their transition (forward._initial_states).
 
 Two warpgroups: a TMA producer (K, Tb, V and gamma of chunk i into stage i % 2) and the state chain,
 on the same two 2-slot mbarrier rings as state_output_ws.py:
@@ -42,6 +43,7 @@ def propagator_program(H: int, HV: int, dtype: str = "bfloat16", block_v: int = 
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
     num_segs = T.dynamic("num_segs")
+    num_gates = T.dynamic("num_gates")
 
     @T.prim_func
     def gdn_segment_propagator(
@@ -52,7 +54,7 @@ def propagator_program(H: int, HV: int, dtype: str = "bfloat16", block_v: int = 
         cu_seqlens: T.Tensor((num_segs + 1,), "int32"),      # token bounds of the segments
         chunk_offsets: T.Tensor((num_segs + 1,), "int32"),   # chunk-table row of each segment's first chunk
         aug: T.Tensor((num_segs, HV, K, V + K), accum),
-        gate: T.Tensor((1,), "int32"),                        # 0: nothing to do (the graph-safe route's count)
+        gate: T.Tensor((num_gates, HV), "int32"),             # 0: nothing to do (the gated route's flags)
     ):
         with T.Kernel(NCOL, HV, num_segs, threads=THREADS) as (bc, hv, n):
             hk = hv // GROUP
@@ -76,7 +78,8 @@ def propagator_program(H: int, HV: int, dtype: str = "bfloat16", block_v: int = 
             freed = T.alloc_barrier(arrive_count=[128, 128])
 
             tx = T.get_thread_binding()
-            if gate[0] > 0:  # every thread reads the same count: the whole CTA leaves or stays
+            # the flag of this CTA's (segment, head); one row of ones (forward.open_gate) opens every CTA
+            if gate[T.min(n, num_gates - 1), hv] > 0:  # every thread reads the same flag: the CTA leaves or stays
                 if tx < 128:
                     # ---- producer ----
                     for i in T.serial(n_chunks):

@@ -11,9 +11,10 @@ starts from the sequence's initial state).
 The warm-up runs the forward's own state kernel on the gathered warm-up chunks (a few per segment with decaying
 gates), so it costs a gather and a short launch, where the exact route (propagator.py + the segment scan)
 costs ~1.3 output passes. Where the exact route pays, forward.py runs a warm-up of fixed length (fixed_warmup,
-FIRST_WINDOW chunks) with the exact route behind it, gated on the device's count of the segments it left unsettled
-(unsettled): nothing is read back, so CUDA graphs capture it. Elsewhere it runs warm-ups as long as each segment
-needs, up to half a segment (reach), learned with host reads (warmup_lengths); under capture, no segments there.
+FIRST_WINDOW chunks) with the exact route behind it, gated per (segment, head) on the device where the warm-up
+left a head unsettled (transitions_needed): nothing is read back, so CUDA graphs capture it. Elsewhere it runs
+warm-ups as long as each segment needs, up to half a segment (reach), learned with host reads (warmup_lengths);
+under capture, no segments there.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
@@ -159,17 +160,19 @@ def window(segment_chunks: int) -> int:
 def fixed_warmup(t: WarmupTables, window: int, device: torch.device, reverse: bool = False) -> WarmupRun:
     """The graph-safe warm-up: min(window, available) chunks for every segment, known from the host tables
     alone, so its launch is built with the segment plan (context_parallel.plan_segments, both directions) and a
-    call, captured or not, reads nothing back. Whether it settled every segment is decided on the device
-    (unsettled); the exact route, gated on that count, covers the segments it did not."""
+    call, captured or not, reads nothing back. Whether it settled each (segment, head) is decided on the device
+    (transitions_needed); the exact route, gated on those flags, covers the pairs it did not."""
     avail = t.after_host if reverse else t.before_host
     return warmup_run(t, tuple(min(window, a) for a in avail), device, reverse)
 
 
-def unsettled(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
-              reverse: bool = False) -> torch.Tensor:
-    """[1] int32 on the device: the segments that fixed_warmup(t, window) leaves outside the bound."""
-    from .warmup_bound import count_unsettled
-    return count_unsettled(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
+def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
+                       reverse: bool = False) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because fixed_warmup(t, window)
+    leaves, for that head, the segment it hands its state to (the next one; the previous one with reverse)
+    outside the bound; 0 elsewhere (the gated route's flags: context_parallel.py)."""
+    from .warmup_bound import transitions_needed as flags
+    return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
 
 
 def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,

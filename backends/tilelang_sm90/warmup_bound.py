@@ -1,6 +1,6 @@
 """warmup.warmup_chunks in two Triton launches: per segment, the fewest chunks next to it whose summed norm bound
-is below LOG_BOUND for every value head (warmup.py says why that bound suffices). Also count_unsettled, the test of
-a warm-up of fixed length that the graph-safe route (warmup.fixed_warmup) runs on the device.
+is below LOG_BOUND for every value head (warmup.py says why that bound suffices). Also transitions_needed, the
+per-head test of a warm-up of fixed length that the graph-safe route (warmup.fixed_warmup) runs on the device.
 
     1. chunk sums, one program per (segment, window chunk, key head): the chunk's 64 tokens at once, the bound's
        log summed per value head of the key head's group (float64) into sums [n_seg, limit, HV];
@@ -75,11 +75,12 @@ def _first_settled_kernel(sums, before, after, out, limit, HV: tl.constexpr, HVP
 
 
 @triton.jit
-def _unsettled_kernel(sums, before, after, unsettled, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
-                      REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
-    """Segment j's warm-up of exactly m = min(window, chunks available) chunks: settled if it reaches the
-    sequence's start (end) or its summed bound is <= LOG_BOUND for every head; unsettled segments are counted
-    into `unsettled` (integer atomics: the count is the same whatever their order). sums: [n_seg, stride, HV]."""
+def _needs_kernel(sums, before, after, need, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
+                  REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
+    """Segment j's warm-up of exactly m = min(window, chunks available) chunks, per value head: settled if it
+    reaches the sequence's start (end) or its summed bound is <= LOG_BOUND. Where a head is not settled, the
+    exact route needs the transition of the segment that hands segment j its state -- the one before it (after
+    it with REVERSE) -- so need[that segment, head] = 1; else 0. sums: [n_seg, stride, HV]."""
     j = tl.program_id(0).to(tl.int64)
     hv = tl.arange(0, HVP)
     mh = hv < HV
@@ -88,8 +89,10 @@ def _unsettled_kernel(sums, before, after, unsettled, window, stride, HV: tl.con
     total = tl.zeros([HVP], dtype=tl.float64)
     for i in range(0, m):
         total += tl.load(sums + (j * stride + i) * HV + hv, mask=mh, other=0.0)
-    settled = (m == avail) | (tl.sum(tl.where(mh & (total > LOG_BOUND), 1, 0), 0) == 0)
-    tl.atomic_add(unsettled, tl.where(settled, 0, 1).to(tl.int32))
+    unsettled = (m < avail) & (total > LOG_BOUND)
+    src = j + 1 if REVERSE else j - 1       # in j's sequence wherever avail > 0
+    has_src = (hv * 0 + avail) > 0          # as a [HVP] mask: a scalar one is not a mask the interpreter takes
+    tl.store(need + src * HV + hv, tl.where(unsettled, 1, 0).to(tl.int32), mask=mh & has_src)
 
 
 def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse: bool) -> torch.Tensor:
@@ -105,19 +108,19 @@ def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse:
     return sums
 
 
-def count_unsettled(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
-                    after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
-                    reverse: bool, log_bound: float) -> torch.Tensor:
-    """[1] int32 on the device: how many segments a warm-up of min(window, available) chunks leaves outside the
-    bound (warmup.fixed_warmup's test, read by the gated exact route's kernels; nothing is read back)."""
-    unsettled = torch.zeros(1, dtype=torch.int32, device=g.device)
-    n_seg = starts.shape[0]
+def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
+                       after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
+                       reverse: bool, log_bound: float) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device: 1 where the exact route needs a (segment, head)'s transition because a
+    warm-up of min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the
+    bound (warmup.transitions_needed's test, read by the gated exact route's kernels; nothing is read back)."""
+    n_seg, HV = starts.shape[0], g.shape[2]
+    need = torch.zeros(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
         sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
-        _unsettled_kernel[(n_seg,)](sums, before, after, unsettled, window, sums.shape[1], HV=g.shape[2],
-                                    HVP=triton.next_power_of_2(g.shape[2]), REVERSE=reverse, LOG_BOUND=log_bound,
-                                    num_warps=1)
-    return unsettled
+        _needs_kernel[(n_seg,)](sums, before, after, need, window, sums.shape[1], HV=HV,
+                                HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
+    return need
 
 
 def warmup_chunks(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,

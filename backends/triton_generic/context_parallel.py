@@ -26,48 +26,66 @@ from .sizes import cdiv, next_power_of_2
 
 
 @triton.jit
-def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, gate, PREC: tl.constexpr, HV: tl.constexpr,
+def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, REVERSE: tl.constexpr):
+    """One step of the scan through segment s: P S + E (forward) or P^T S + F (REVERSE)."""
+    ab = aug + (s * HV + i_h) * K * (V + K)
+    if REVERSE:
+        E = tl.load(f + (s * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
+        P = tl.load(ab + ck[None, :] * (V + K) + V + ck[:, None])
+    else:
+        E = tl.load(ab + ck[:, None] * (V + K) + cv[None, :], mask=mv[None, :], other=0.0)
+        P = tl.load(ab + ck[:, None] * (V + K) + V + ck[None, :])
+    return tl.dot(P, S, input_precision=PREC) + E
+
+
+@triton.jit
+def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, need, warm, PREC: tl.constexpr, HV: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
                         STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr,
                         GATED: tl.constexpr):
     """Forward: S0_{j+1} = P_j S0_j + E_j, storing every S0_j. REVERSE (the backward's dS): walking
-    segments last to first, dS_end_{j-1} = P_j^T dS_end_j + F_j, storing every dS_end_j. GATED: nothing
-    where gate[0] is 0 (tilelang_sm90's graph-safe warm-up route decides on the device)."""
-    if GATED:
-        if tl.load(gate) == 0:
-            return
+    segments last to first, dS_end_{j-1} = P_j^T dS_end_j + F_j, storing every dS_end_j. GATED
+    (tilelang_sm90's graph-safe warm-up route): the next segment's state is warm[next] where need[j, head] is 0
+    (a warm-up settled it; segment j's [E | P] was not computed), the transition where it is 1."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
     s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
     ck, cv, mv, s_off = state_tile(i_v, K, V, BV, STATE_V_FIRST)
+    tile = ck[:, None] * V + cv[None, :]
     S = tl.zeros([K, BV], dtype=tl.float32)
     if HAS_H0:
         S += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0)
-    for j in range(s_end - s_begin):
+    n = s_end - s_begin
+    for j in range(n):
         if REVERSE:
             s = s_end - 1 - j
+            nxt = s - 1
         else:
             s = s_begin + j
-        tl.store(s0 + (s * HV + i_h) * K * V + ck[:, None] * V + cv[None, :], S, mask=mv[None, :])
-        ab = aug + (s * HV + i_h) * K * (V + K)
-        if REVERSE:
-            E = tl.load(f + (s * HV + i_h) * K * V + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
-            P = tl.load(ab + ck[None, :] * (V + K) + V + ck[:, None])
+            nxt = s + 1
+        tl.store(s0 + (s * HV + i_h) * K * V + tile, S, mask=mv[None, :])
+        # warm is only touched under the constexpr GATED: the ungated build has no warm tensor to load from
+        if GATED:
+            if tl.load(need + s * HV + i_h) != 0:
+                S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
+            elif j + 1 < n:
+                S = tl.load(warm + (nxt * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
         else:
-            E = tl.load(ab + ck[:, None] * (V + K) + cv[None, :], mask=mv[None, :], other=0.0)
-            P = tl.load(ab + ck[:, None] * (V + K) + V + ck[None, :])
-        S = tl.dot(P, S, input_precision=PREC) + E
+            S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
 
 
-def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_state, prec, f=None, gate=None):
+def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_state, prec, f=None, need=None,
+                 warm=None):
     """Returns (S0 of every segment [n_seg, HV, K, V] fp32, the sequences' final states or None).
 
     With f (the segments' dS0 from a zero terminal gradient) it runs the backward's reverse scan instead:
-    h0 is dht, the first return the true dS_end of every segment, the second dh0. With gate ([1] int32 on the
-    device) it writes nothing where gate[0] is 0 (the returns are then uninitialised)."""
+    h0 is dht, the first return the true dS_end of every segment, the second dh0. With need ([n_seg, HV] int32)
+    and warm ([n_seg, HV, K, V] fp32, states from warm-ups): a segment's state comes from warm where need says
+    its neighbour's transition was not computed (final states then only where no warm state was taken)."""
     n_seg = aug.shape[0]
     s0 = torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
@@ -75,8 +93,8 @@ def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_
     # P [K, K] fp32 goes through shared memory: narrow S blocks keep it at ~80 KB (sm86/89 fit)
     BV = min(16, next_power_of_2(V))
     launch("segment_scan", aug.dtype, segment_scan_kernel, (cdiv(V, BV), N * HV),
-        aug, f, h0, s0, ht, seg_offsets, gate, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None, GATED=gate is not None)
+        aug, f, h0, s0, ht, seg_offsets, need, warm, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
+        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None, GATED=need is not None)
     return s0, ht
 
 
