@@ -967,7 +967,7 @@ def test_backward_state_matches_reference_chunked_backward():
     tl = _tilelang()
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import backward_state
-    from gdnkit.backends.tilelang_sm90.forward import TARGET, forward
+    from gdnkit.backends.tilelang_sm90.forward import TARGET, forward, open_gate
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     from gdnkit import seqlayout
 
