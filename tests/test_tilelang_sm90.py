@@ -538,28 +538,34 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
             gamma[hv, row, n:] = gs[-1].float()
 
 
-def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True):
+def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chained=False):
     """What the state/output kernel writes: O rows of every sequence (of cu) if emit_output, final states if
-    asked, every chunk's entering state (bf16) if store_states."""
-    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs):
+    asked, every chunk's entering state (bf16) if store_states. chained: a program whose start need flags as
+    unsettled runs from the nearest settled segment's start (its h0 row), writing only its own chunks."""
+    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs, need=None):
+        assert not chained or need.shape[0] == cu.numel() - 1   # else a placeholder the kernel never reads
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
             for hv in range(v.shape[2]):
-                S = h0[n, hv].double() if has_h0 else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
-                for ic in range(-(-(eos - bos) // 64)):
-                    t0 = bos + ic * 64
+                start = max([j + 1 for j in range(n) if int(need[j, hv]) == 0], default=0) if chained else n
+                run_bos, run_c0 = int(cu[start]), int(chunk_offsets[start])
+                pre = c0 - run_c0
+                S = h0[start, hv].double() if has_h0 else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
+                for ic in range(pre + -(-(eos - bos) // 64)):
+                    t0 = run_bos + ic * 64
                     m = min(eos - t0, 64)
                     qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
                     tb, vv = a[0, t0:t0 + m, hv, :m].double(), v[0, t0:t0 + m, hv].double()
-                    gs = gamma[hv, c0 + ic, :m].double()
-                    if store_states:
-                        hs[c0 + ic, hv] = S.to(hs.dtype)
+                    gs = gamma[hv, run_c0 + ic, :m].double()
+                    own = ic >= pre
+                    if store_states and own:
+                        hs[run_c0 + ic, hv] = S.to(hs.dtype)
                         S = S.to(hs.dtype).double()  # the kernels' S0 operands are bf16 too
                     i = torch.arange(m)
                     U = tb @ (vv - gs.exp()[:, None] * (kk @ S))
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
-                    if emit_output:
+                    if emit_output and own:
                         o[0, t0:t0 + m, hv] = (scale * ((qq @ S) * gs.exp()[:, None] + P @ U)).to(o.dtype)
                     S = S * gs[-1].exp() + kk.T @ (U * torch.exp(gs[-1] - gs)[:, None])
                 if store_ht:
@@ -667,8 +673,8 @@ def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
                                                              lambda H, HV, dt, emit_t=False: _intra_stand_in))
     monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
         calls, "state_output_kernel",
-        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True:
-        _state_stand_in(has_h0, store_ht, store_states, emit_output)))
+        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False:
+        _state_stand_in(has_h0, store_ht, store_states, emit_output, chained)))
 
 
 def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) -> None:
@@ -822,16 +828,18 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
 
 @pytest.mark.parametrize("route,gate_scale,settled", [("exact", 0.3, None), ("gated", 3.0, True),
                                                     ("gated", 1e-3, False), ("gated", (3.0, 1e-3), "mixed"),
-                                                    ("warmup", 0.3, None)],
-                         ids=["exact", "gated-settled", "gated-unsettled", "gated-mixed", "warmup"])
+                                                    ("chained", 3.0, True), ("chained", 1e-3, False),
+                                                    ("chained", (3.0, 1e-3), "mixed")],
+                         ids=["exact", "gated-settled", "gated-unsettled", "gated-mixed", "chained-settled",
+                              "chained-unsettled", "chained-mixed"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
 def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, gate_scale, settled, monkeypatch):
     """The context-parallel forward's glue: segment plan, the segments' initial states (exact: the
-    propagator's [E | P] handed to triton_generic's segment scan, interpreted here; warmup: the gathered
-    warm-up chunks through the state kernel, lengths read back; gated: a fixed warm-up and the exact route
-    behind it, run or skipped per (segment, head) by the device's flags, for gates that settle in a chunk,
-    gates that barely decay, and one head of each), then the state pass over segments from those states, which also gives the final
-    states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
+    propagator's [E | P] handed to triton_generic's segment scan, interpreted here; gated: a fixed warm-up and
+    the exact route behind it, run or skipped per (segment, head) by the device's flags; chained: the same
+    warm-up, and the state pass over segments walking back where the flags say a start is unsettled; each for
+    gates that settle in a chunk, gates that barely decay, and one head of each), then the state pass over
+    segments from those states, which also gives the final states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
     everything around them against the plain path and float64."""
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
@@ -857,7 +865,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=True)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", route != "exact")
-    if route == "warmup":   # the route where the exact one does not pay
+    if route == "chained":   # the route where the exact one does not pay
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     results = {}
     for segs in (0, 2):
@@ -868,7 +876,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
         got = {}
         results[segs] = fwd.forward(problem, inputs, intermediates=got)[:2]
         assert got["context_parallel"] == (route if segs else None)
-        if segs and route == "gated":
+        if segs and route in ("gated", "chained"):
             need = got["transitions_needed"]
             if settled == "mixed":   # head 0 decays, head 1 barely: only head 1's transitions run
                 assert need[:, 0].sum() == 0 and need[:, 1].sum() > 0
@@ -892,8 +900,8 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     (2, 8, 8200, 3, 1.0, True, "gated", True),
     (2, 8, 8200, None, 1e-3, True, "gated", False),   # gates barely decay: the exact route behind the warm-up runs
     (2, 8, 65536 + 37, None, 1.0, True, "gated", True),
-    (8, 32, 32768, None, 1.0, True, "warmup", None),  # the exact route does not pay: warm-ups read back
-    (8, 32, 32768, None, 1e-3, True, None, None),     # ... and none within half a segment: no segments
+    (8, 32, 32768, None, 1.0, True, "chained", True),   # the exact route does not pay: the chained route
+    (8, 32, 32768, None, 1e-3, True, "chained", False),  # ... where every unsettled program walks back
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
@@ -926,7 +934,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         got = {}
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
         assert got["context_parallel"] == route
-        if route == "gated":
+        if route in ("gated", "chained"):
             assert (int(got["transitions_needed"].sum()) == 0) == settled
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),

@@ -3,20 +3,25 @@
 The state pass runs one program per (sequence, value head, V tile), each walking its whole sequence. At
 H=2 HV=8 with one sequence of 32768 tokens that is 32 programs at the narrowest V tile, for 132 SMs. So
 the sequences are cut into segments of `seg` chunks, and the pass runs per segment with the right initial
-state (ALGORITHM.md section 4), found by one of three routes:
+state (ALGORITHM.md section 4), found by one of these routes:
 
     warm-up (warmup.py): where the gates decay, a few chunks before each segment run from a zero state give
         its initial state within e^-12 of the state's size (exact where they reach the sequence's start);
-        a gather and one short launch of the state kernel; its lengths are read back, so it runs eagerly only,
-        where the exact route does not pay and every warm-up fits in half a segment.
+        a gather and one short launch of the state kernel. Every route but the exact one starts with it.
     exact: every segment's transition S_end = P S_0 + E as [E | P] (TileLang, propagator.py), then a scan
         over each sequence's segments (triton_generic's segment scan, ~0.02 ms at 2/8 1x32768). It costs
         ~1.3 output passes, so it is taken only where it pays (exact_route_pays): alone where WARMUP_ROUTE is
-        off (tests), else behind the gated warm-up. Where it does not pay, a failed warm-up means no segments.
+        off (tests), else behind the gated warm-up.
     gated (where the exact route pays): a warm-up of a fixed few chunks, then the exact route's kernels
         launched behind it but run only for the (segment, head) pairs whose successor the warm-up left outside
         the bound, flagged on the device; the scan takes the warm state or the transition's per pair
         (forward._initial_states); no host read, so a CUDA graph captures it whatever the flags.
+    chained (the forward, where the exact route does not pay): the same fixed warm-up and flags; the output
+        pass over segments takes the flags, and a program whose start is unsettled walks back to the nearest
+        settled segment and runs the chain from there (state_output_ws.py): never slower than no segments
+        (plus the warm-up), no host read.
+    warm-up lengths read back (the backward, where the exact route does not pay): warm-ups as long as each
+        segment needs, up to half a segment, or no segments; eager only (backward.py).
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -45,11 +50,9 @@ MIN_SEGMENT_CHUNKS = 32
 # changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
 # 0.905 / 0.780 / 0.757; 8/32 1x32768 (128) 1.033 / 1.526 / 1.509. So 2: on at 64 programs, off at 128.
 SMS_PER_PROGRAM = 2
-# The warm-up route (warmup.py) costs a gather and a short launch instead of ~1.3 output passes, so segments
-# pay with fewer idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence);
-# below SMS_PER_PROGRAM the exact route does not pay, so there a failed warm-up means no segments at all.
-# H200 session 6 (eager device work): 8/32 1x32768 1.079 ms by warm-up against 1.056 without segments, before
-# the warm-up lengths read a 4-chunk window first (JOURNAL.md); not re-measured since.
+# The warm-up routes cost a gather and a short launch instead of ~1.3 output passes, so segments pay with fewer
+# idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence); below
+# SMS_PER_PROGRAM the forward takes the chained route, the backward the warm-up with lengths read back.
 WARMUP_SMS_PER_PROGRAM = 1
 # False: always the exact route (tests of the propagator path)
 WARMUP_ROUTE = True

@@ -19,7 +19,8 @@ makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session
   16/64 4096x8 1.673 / 1.536, 4x8192 1.666 / 1.542; 8/32 4096x8 0.842 / 0.775; 4/16 4096x8 0.424 / 0.389.
 Few long sequences also get context parallelism (context_parallel.py): segments whose initial states come
 from a short warm-up through the same state kernel where the gates decay (warmup.py), else from the TileLang
-propagator and a segment scan.
+propagator and a segment scan (the gated route), or from the state pass itself walking back over the segments
+before (the chained route).
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue (gdnkit/prologue.py, whose backward backward.py uses).
@@ -78,31 +79,34 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
-def _initial_states(plan, layout, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates):
-    """(every segment's initial state [n_seg, HV, K, V] fp32, the route) or (None, None) for no segments.
-    Where the exact route pays (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length
-    with the exact route behind it, launched always and run only for the (segment, head) pairs whose successor
-    the warm-up left outside the bound (decided on the device: no host read, so CUDA graphs capture it; the
-    segment scan takes each warm state or the transition's). Elsewhere segments pay only by warm-up: warm-ups as
-    long as needed, learned by host reads (none under capture: no segments there)."""
+def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates):
+    """(every segment's initial state [n_seg, HV, K, V] fp32, the route, the chained route's flags or None), or
+    (None, None, None) for no segments. Both warm-up routes run a warm-up of fixed length for every segment and
+    flag on the device the (segment, head) pairs whose successor it left outside the bound: nothing is read back,
+    so CUDA graphs capture either. Where the exact route pays (context_parallel.exact_route_pays): the gated
+    route, the exact route's kernels launched behind the warm-up and run only for the flagged pairs (the segment
+    scan takes each warm state or the transition's). Elsewhere the chained route: the output pass over segments
+    takes the flags, and a program whose start is unsettled walks back to the nearest settled one
+    (state_output_ws.py)."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
     pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
-    if not pays:
-        s0 = _warmup_states(plan, seg, k, a, v, gamma, g, beta, h0, problem)
-        return s0, ("warmup" if s0 is not None else None)
+    if not pays and (not context_parallel.WARMUP_ROUTE or (BLOCK_V or WS_BLOCK_V[0]) not in WS_BLOCK_V):
+        return None, None, None  # the chained route needs the warm-up and the kernel that walks back
     if context_parallel.WARMUP_ROUTE:
         warm = warmup.run_states(plan.gated[0], h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
         need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window)
-        gate, route = need, "gated"
         if intermediates is not None:
             intermediates.update(transitions_needed=need)
+        if not pays:
+            return warm, "chained", need
+        gate, route = need, "gated"
     else:
         warm, need, gate, route = None, None, open_gate(dev, HV), "exact"
     aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
     propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
     s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, need=need, warm=warm)
-    return s0, route
+    return s0, route, None
 
 
 @functools.lru_cache(maxsize=16)
@@ -122,20 +126,6 @@ def _warmup_runner(problem: Problem, k, a, v, gamma):
                     gamma[:, w.chunk_rows].contiguous(), torch.empty_like(vw), states, None)
         return states
     return run
-
-
-def _warmup_states(plan, seg: int, k, a, v, gamma, g, beta, h0, problem: Problem):
-    """The segments' initial states [n_seg, HV, K, V] by warm-up (warmup.py), or None where a warm-up would
-    take more than warmup.reach(seg) chunks, or while a CUDA graph is being captured (it reads m back)."""
-    if not context_parallel.WARMUP_ROUTE or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    t = plan.warmup
-    limit = warmup.reach(seg)
-    m = warmup.warmup_lengths(t, g, k, beta, limit)
-    if max(m) > limit:
-        return None
-    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
-    return warmup.warmed_states(t, m, h0, (HV, K, V), k.device, _warmup_runner(problem, k, a, v, gamma))
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
@@ -169,14 +159,14 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
-                        block_v: int, store_states: bool = False, emit_output: bool = True):
+                        block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False):
     """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128 (which always
-    writes O)."""
+    writes O and does not walk back: no chained runs)."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
-                         emit_output=emit_output)
-    assert emit_output, "the pipelined state pass always writes O"
+                         emit_output=emit_output, chained=chained)
+    assert emit_output and not chained, "the pipelined state pass always writes O and never walks back"
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
 
@@ -195,6 +185,7 @@ class StateLaunch:
     chunk_offsets: torch.Tensor
     init: torch.Tensor | None     # [n, HV, K, V] fp32: h0, the segments' initial states, or None (zero)
     n: int                        # sequences or segments
+    need: torch.Tensor | None = None  # the chained route's flags [n, HV] int32 (state_output_ws.py)
 
 
 def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs,
@@ -210,11 +201,15 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     emit = o is not None or block_v not in WS_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
+    chained = launch.need is not None
     kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
-                                 block_v, hs is not None, emit)
-    kernel(q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
-           placeholder if launch.init is None else launch.init, o if emit else stub,
-           placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
+                                 block_v, hs is not None, emit, chained)
+    args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
+            placeholder if launch.init is None else launch.init, o if emit else stub,
+            placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
+    if block_v in WS_BLOCK_V:  # the three-warpgroup kernel also takes the chained route's flags
+        args += (launch.need if chained else open_gate(dev, HV),)
+    kernel(*args)
 
 
 @dataclasses.dataclass
@@ -294,12 +289,12 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             # context parallelism: every segment's initial state (_initial_states), then the output pass over
             # segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            s0, route = _initial_states(plan, layout, seg, k, a, v, gamma, g, beta, h0, problem, intermediates)
+            s0, route, need = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates)
         if route:
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
-            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg)
+            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg, need)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0

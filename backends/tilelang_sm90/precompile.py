@@ -29,22 +29,23 @@ class Job(NamedTuple):
 
 def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
     """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
-    without initial / final states at each V tile the plan picks; the context-parallel propagator), and with
+    without initial / final states at each V tile the plan picks, chained or not; the propagator), and with
     `training` the intra kernel that also writes T, the state pass that stores S0 (without output: the
     backward's recompute; with it: the forward with KEEP_STATES), the reverse pass and the per-chunk gradients."""
     from .forward import WS_BLOCK_V
 
     flags = (False, True)
     jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False))]
-    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True))
-             for h0, ht, bv in itertools.product(flags, flags, WS_BLOCK_V)]
+    # the last flag: chained (context parallelism's chained route; always from the warm-up's initial states)
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained))
+             for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags) if h0 or not chained]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
         jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True)))
-        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False))  # recompute
-                 for h0, bv in itertools.product(flags, WS_BLOCK_V)]
-        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True))      # KEEP_STATES
-                 for h0, ht, bv in itertools.product(flags, flags, WS_BLOCK_V)]
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained))
+                 for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags) if h0 or not chained]  # recompute
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES
+                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags) if h0 or not chained]
         jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv))
                  for dht, dh0, bv in itertools.product(flags, flags, WS_BLOCK_V)]
         # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows

@@ -24,6 +24,14 @@ Barriers (slot s = i % STAGES for the loads, i % 2 for the hand-over; phase pari
     su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
 A wait for a "free" barrier uses the flipped parity, so the first round passes at once.
 
+chained (context parallelism's chained route, forward.py): the programs run over segments, and where the
+device flags say a segment's warm-up left a head unsettled (need[j, hv] = 1: segment j + 1 needs segment j's
+end state), the program walks back to the nearest segment whose start is settled and runs the chain from
+there, state only (no output, no hand-over, no S0 stores), before its own chunks. An unsettled start then costs
+the chunks walked back -- no more than the sequence without segments -- and needs nothing from another program
+(no flags between CTAs, so no co-residency or launch-order assumption). Every segment's initial state comes in
+h0 (warm-up states; a sequence's first segment its exact h0), read at the walk's first segment.
+
 Same grid and contract as state_output.py (forward.py picks one by V tile), so the signature repeats that
 kernel's (TileLang prim_func signatures cannot be shared) and the per-program bounds come from its
 `sequence_bounds`. Tail chunks and the TMA boxes past a sequence's end
@@ -45,18 +53,22 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, stages: int = 3,
-                         store_states: bool = False, emit_output: bool = True, K: int = 128, V: int = 128):
+                         store_states: bool = False, emit_output: bool = True, chained: bool = False,
+                         K: int = 128, V: int = 128):
     """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
     V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
     is a 1-element placeholder the kernel never touches.
     emit_output=False (the backward's recompute of S0, with store_states): no O, so no Q loads, no U hand-over
-    and no output products; the third warpgroup only stores S0, and `o` is a 1-element placeholder."""
+    and no output products; the third warpgroup only stores S0, and `o` is a 1-element placeholder.
+    chained (needs has_initial_state): `need` [num_need >= num_seqs, HV] int32 is read (module docstring);
+    otherwise it is a placeholder the kernel never touches."""
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     assert emit_output or store_states, "a pass that writes neither O nor S0"
+    assert has_initial_state or not chained, "a chained run starts from its walk's warm-up state"
     SLOTS = 2                                          # S/U hand-over slots
     PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
@@ -66,6 +78,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
+    num_need = T.dynamic("num_need")
     HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
     O_SHAPE = (1, num_tokens, HV, V) if emit_output else (1, 1, 1, 1)
 
@@ -83,11 +96,25 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
         hs: T.Tensor(HS_SHAPE, dtype),
+        need: T.Tensor((num_need, HV), "int32"),
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
             bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
+            # the run: `pre` chunks walked back (chained; whole chunks, segments are cut at chunk bounds inside a
+            # sequence), then the program's own n_chunks. Chunk i of the run starts at token bos_run + i * C and
+            # is row c0_run + i of the chunk table; its own index is i - pre.
+            if chained:
+                start = T.alloc_var("int32", init=0)  # the walk's first segment: after the last settled hand-over
+                for j in T.serial(n):
+                    if need[j, hv] == 0:
+                        start = j + 1
+                bos_run = cu_seqlens[start]
+                c0_run = chunk_offsets[start]
+                pre = c0 - c0_run
+            else:
+                start, bos_run, c0_run, pre = n, bos, c0, 0
 
             # stage tiles (TMA destinations)
             if emit_output:
@@ -128,30 +155,33 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             if tx < 128:
                 # ---- producer ----
                 T.set_max_nreg(PRODUCER_REGS, 0)
-                for i in T.serial(n_chunks):
+                for i in T.serial(pre + n_chunks):
                     s = i % stages
                     T.barrier_wait(freed[s], ((i // stages) % 2) ^ 1)
-                    t0 = bos + i * C
+                    t0 = bos_run + i * C
                     if emit_output:
-                        T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
+                        if i >= pre:  # Q only for the program's own chunks
+                            T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(a[0, t0:t0 + C, hv, 0:C], a_s[s, :, :], barrier=loaded[s])
                     T.tma_copy(v[0, t0:t0 + C, hv, v0:v0 + BV], v_s[s, :, :], barrier=loaded[s])
-                    T.tma_copy(gamma[hv, c0 + i, 0:C], g_s[s, :], barrier=loaded[s])
+                    T.tma_copy(gamma[hv, c0_run + i, 0:C], g_s[s, :], barrier=loaded[s])
                     T.barrier_arrive(loaded[s])
             elif tx < 256:
                 # ---- state chain ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
                 if has_initial_state:
-                    T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
+                    T.copy(h0[start, hv, 0:K, v0:v0 + BV], S)
                 else:
                     T.clear(S)
-                for i in T.serial(n_chunks):
+                for i in T.serial(pre + n_chunks):
                     s = i % stages
-                    h = i % SLOTS
-                    n_valid = T.min(eos - bos - i * C, C)
+                    own = T.max(i - pre, 0)  # the walk's chunks use slot 0 unsignalled: the output has not begun
+                    h = own % SLOTS
+                    n_valid = T.min(eos - bos_run - i * C, C)
                     T.barrier_wait(loaded[s], (i // stages) % 2)
-                    T.barrier_wait(su_free[h], ((i // SLOTS) % 2) ^ 1)
+                    if i >= pre:
+                        T.barrier_wait(su_free[h], ((own // SLOTS) % 2) ^ 1)
                     T.copy(S, s_s[h, :, :])
                     T.fence_proxy_async()
                     T.wgmma_gemm(k_s[s, :, :], s_s[h, :, :], x, clear_accum=True)     # K S
@@ -169,11 +199,13 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     for r, j in T.Parallel(C, BV):
                         x[r, j] = T.if_then_else(r < n_valid, x[r, j], 0.0)
                     if emit_output:
-                        T.copy(x, u_s[h, :, :])
+                        if i >= pre:
+                            T.copy(x, u_s[h, :, :])
                     for r, j in T.Parallel(C, BV):
                         x_s[r, j] = x[r, j] * e_u[r]
                     T.fence_proxy_async()
-                    T.barrier_arrive(su_ready[h])
+                    if i >= pre:
+                        T.barrier_arrive(su_ready[h])
                     for r, j in T.Parallel(K, BV):
                         S[r, j] = S[r, j] * T.exp(g_last)
                     T.wgmma_gemm(k_s[s, :, :], x_s, S, transpose_A=True)               # += K^T U_d
@@ -184,7 +216,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             elif not emit_output:
                 # ---- S0 only (the backward's recompute): the hand-over tile to hs ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
-                for i in T.serial(n_chunks):
+                for i in T.serial(n_chunks):  # own chunks only: the walk's are another program's
                     h = i % SLOTS
                     T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
                     T.copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])
@@ -192,12 +224,17 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             else:
                 # ---- output ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
-                for i in T.serial(n_chunks):
+                for i in T.serial(pre):
+                    # the walk's chunks: only release their stages (the producer counts both readers)
                     s = i % stages
+                    T.barrier_wait(loaded[s], (i // stages) % 2)
+                    T.barrier_arrive(freed[s])
+                for i in T.serial(n_chunks):
+                    s = (pre + i) % stages
                     h = i % SLOTS
                     t0 = bos + i * C
                     n_valid = T.min(eos - t0, C)
-                    T.barrier_wait(loaded[s], (i // stages) % 2)
+                    T.barrier_wait(loaded[s], ((pre + i) // stages) % 2)
                     T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
                     T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
                     T.wgmma_gemm(q_s[s, :, :], s_s[h, :, :], acc_o, clear_accum=True)                 # Q S
