@@ -177,6 +177,21 @@ def test_state_output_ws_without_output_stores_only_the_states(block_v, stages):
     assert src.count("wgmma_ss<") == 3 and "wgmma_rs" not in src   # the chain's K S, Tb X and K^T U only
 
 
+@pytest.mark.parametrize("block_v,stages,emit_output", [(64, 2, True), (32, 3, False)])
+def test_state_output_ws_chained_reads_its_flags(block_v, stages, emit_output):
+    """The chained build (context parallelism's chained route): the Hopper paths as in the plain build, the
+    walk back reads `need`, and no barrier waits under a thread subset (the walk's chunks skip the hand-over
+    barriers on a condition every thread of the role evaluates alike)."""
+    _tilelang()
+    src = _source("state_output_ws", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
+                  store_final_state=True, chained=True, emit_output=emit_output, store_states=not emit_output)
+    _assert_hopper_paths(src)
+    assert "need[" in src
+    plain = _source("state_output_ws", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
+                    store_final_state=True, emit_output=emit_output, store_states=not emit_output)
+    assert "need[" not in plain
+
+
 @pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv", [(16, 32, "bfloat16", True, True, 64), (4, 8, "float16", False, False, 32)])
 def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv):
     _tilelang()
@@ -942,6 +957,50 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
     assert _rel(o, ref_o) <= BF16_FWD_BAR, f"o: {_rel(o, ref_o):.2e}"
     assert _rel(ht, ref_ht) <= BF16_FWD_BAR, f"final state: {_rel(ht, ref_ht):.2e}"
+
+
+@pytest.mark.gpu
+def test_chained_route_on_gpu(monkeypatch):
+    """The chained route with chains several segments long: 2/8, one sequence of 8200 tokens cut into 16-chunk
+    segments with the exact route made not to pay; half the heads barely decay, so their programs walk back to
+    the sequence's start (up to 8 segments), the others start from their warm-up. Against float64 with an
+    initial and a final state; a second call gives the same bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)
+    monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+    H, HV, T, dev = 2, 8, 8200, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    rates = torch.tensor([1.0, 1e-3], device=dev).repeat(HV // 2)
+    v, g = r(1, T, HV, V).to(torch.bfloat16), F.logsigmoid(r(1, T, HV)) * rates
+    beta, h0 = torch.sigmoid(r(1, T, HV)), r(1, HV, K, V) * 0.1
+    cu = torch.tensor([0, T], device=dev)
+    with torch.no_grad():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu)
+        got = {}
+        o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
+        o2, ht2, _ = fwd.forward(problem, inputs)
+        assert got["context_parallel"] == "chained"
+        need = got["transitions_needed"]
+        assert need[:, 0::2].sum() == 0 and need[:-1, 1::2].min() == 1   # the weak heads: every hand-over
+        d = lambda t: t.double()  # noqa: E731
+        p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                                   output_final_state=True, cu_seqlens=cu)
+        ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    assert _rel(o, ref_o) <= BF16_FWD_BAR, f"o: {_rel(o, ref_o):.2e}"
+    assert _rel(ht, ref_ht) <= BF16_FWD_BAR, f"final state: {_rel(ht, ref_ht):.2e}"
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
 
 
 @pytest.mark.parametrize("H,HV,lengths,expected", [
