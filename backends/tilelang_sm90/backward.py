@@ -11,11 +11,11 @@ then the options' prologue undone (gdnkit.prologue). GVA's sums of dq / dk happe
 head order (bitwise repeatable; no float atomics anywhere). backends/reference/chunked_backward.py
 is the definition every stage is checked against.
 
-Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a warm-up over
-the chunks after it (warmup.py, the same norm bound as the forward's), or exactly where the gates decay too
-little for that (the forward's propagator gives each segment's transition, a reverse segment scan the dS_ends),
-or both, gated on the device (_gated_ds_ends), by the forward's rule (_segments); then the reverse pass per
-segment. Where both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
+Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a fixed warm-up
+over the chunks after it (warmup.py, the same norm bound as the forward's), checked on the device per (segment,
+head); where it left a pair unsettled, by the forward's rule (_segments), either exactly (the forward's
+propagator gives each segment's transition, a reverse segment scan the dS_ends: _gated_ds_ends) or by the
+reverse pass walking forward over the segments after it (the chained route); then the reverse pass per segment. Where both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
 """
 from __future__ import annotations
 
@@ -47,8 +47,10 @@ def _jit():
 
 
 @functools.lru_cache(maxsize=None)
-def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int):
-    return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES)
+def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
+                          chained: bool = False):
+    return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
+                     chained=chained)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,25 +59,17 @@ def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
 
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
-    """(segment plan, route, warm-up) where the reverse pass runs in segments, else None: the forward's segment
-    rule, then, as the forward's (forward._initial_states), where the exact route pays
-    (context_parallel.exact_route_pays) the gated route; elsewhere the warm-up route where every segment's dS_end
-    is within a warm-up's reach (warmup.py, reverse; host reads, so not under CUDA graph capture), warm-up = the
-    chunks per segment (None for the other routes). WARMUP_ROUTE off: the exact route alone."""
+    """(segment plan, route) where the reverse pass runs in segments, else None: the forward's segment rule and
+    routes (forward._initial_states): where the exact route pays (context_parallel.exact_route_pays) the gated
+    route, elsewhere the chained one. WARMUP_ROUTE off: the exact route alone, where it pays."""
     seg = _segment_chunks(s.layout, problem.HV, dev)
     if not seg:
         return None
     plan = context_parallel.plan_segments(s.layout, seg)
     if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
-        if not context_parallel.WARMUP_ROUTE:
-            return plan, "exact", None
-        return plan, "gated", None
-    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if context_parallel.WARMUP_ROUTE and not capturing:
-        limit = warmup.reach(seg)
-        m = warmup.warmup_lengths(plan.warmup, s.g, s.k, s.beta, limit, reverse=True)
-        if max(m) <= limit:
-            return plan, "warmup", m
+        return plan, "gated" if context_parallel.WARMUP_ROUTE else "exact"
+    if context_parallel.WARMUP_ROUTE and forward.BLOCK_V in (None,) + forward.WS_BLOCK_V:
+        return plan, "chained"
     return None
 
 
@@ -94,7 +88,7 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch, need=None
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
     backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, placeholder, *scratch, f,
-        float(problem.scale), gate)
+        float(problem.scale), gate, gate)
     return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
                                            f=f, need=need, warm=warm)
 
@@ -113,26 +107,25 @@ def _reverse_runner(problem: Problem, s: Saved, do):
         kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
                                        _plan_block_v(len(w.segments), HV, dev))
         kernel(qw, kw, aw, dow, s.gamma[:, w.chunk_rows].contiguous(), w.cu_seqlens, w.chunk_offsets, init,
-               *scratch, dh_w, states, float(problem.scale), open_gate(dev, HV))
+               *scratch, dh_w, states, float(problem.scale), open_gate(dev, HV), open_gate(dev, HV))
         return states
     return run
 
 
-def _warmup_ds_ends(problem: Problem, s: Saved, plan, m: list[int], do, dht) -> torch.Tensor:
-    """dS_end of every segment [n_seg, HV, K, V] fp32: a sequence's last segment gets dht (or 0); the others
-    the reverse pass run from 0 (from dht where it reaches the sequence's end) over their warm-up chunks."""
-    return warmup.warmed_states(plan.warmup, m, dht, (problem.HV, problem.K, problem.V), do.device,
-                                _reverse_runner(problem, s, do), reverse=True)
+def _warm_ds_ends(problem: Problem, s: Saved, plan, do, dht):
+    """(dS_end of every segment by the fixed reverse warm-up over min(window, available) chunks after it (the
+    plan's gated[1]), the device's flags of the (segment, head) pairs whose predecessor it left outside the
+    bound (warmup.transitions_needed, reverse))."""
+    need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
+    warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), do.device,
+                             _reverse_runner(problem, s, do))
+    return warm, need
 
 
 def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> torch.Tensor:
-    """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks
-    after each segment (the plan's gated[1]), and the exact route behind it, run only for the (segment, head)
-    pairs whose predecessor that warm-up left outside the bound (warmup.transitions_needed)."""
-    dev = do.device
-    need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
-    warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), dev,
-                             _reverse_runner(problem, s, do))
+    """dS_end of every segment, graph-safe: the fixed reverse warm-up (_warm_ds_ends) and the exact route behind
+    it, run only for the (segment, head) pairs it flagged."""
+    warm, need = _warm_ds_ends(problem, s, plan, do, dht)
     return _exact_ds_ends(problem, s, plan, do, dht, scratch, need, warm)[0]
 
 
@@ -193,14 +186,16 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, block_v)
         kernel(s.q, s.k, s.a, do, s.gamma, layout.cu_seqlens, layout.chunk_offsets,
                placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
-               float(problem.scale), open_gate(dev, HV))
+               float(problem.scale), open_gate(dev, HV), open_gate(dev, HV))
     else:
         # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, exactly, or
-        # the gated pair of both), then the reverse pass per segment from those
-        plan, route, m = plan
+        # the gated pair of both; chained: the warm-up's, walked forward from by the pass below where unsettled),
+        # then the reverse pass per segment from those
+        plan, route = plan
         n_seg = plan.segments.n_seg
-        if route == "warmup":
-            ds_end, dh0 = _warmup_ds_ends(problem, s, plan, m, do, dht), None
+        need = None
+        if route == "chained":
+            (ds_end, need), dh0 = _warm_ds_ends(problem, s, plan, do, dht), None
         elif route == "gated":
             ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht, (du, dv, dh)), None
         else:
@@ -208,9 +203,10 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         # dh0 from the pass over segments (each sequence's first segment) where the route gave none
         dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
             if store_dh0 and dh0 is None else None
-        kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, block_v)
+        kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, block_v, need is not None)
         kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, ds_end, du, dv, dh,
-               placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev, HV))
+               placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev, HV),
+               open_gate(dev, HV) if need is None else need)
         if dh0_seg is not None:  # each sequence's first segment; a sequence without tokens passes dht through
             dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
             empty = [n for n, length in enumerate(layout.lengths) if length == 0]

@@ -17,6 +17,12 @@ is backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
 Barriers (as in state_output_ws.py): loaded / freed per stage (freed: chain + side, 256 arrivals), and
 side_ready / side_free per hand-over slot (i % 2).
 
+chained (context parallelism's chained route, backward.py): the programs run over segments, and where the
+device flags say a segment's dS_end was left unsettled by its warm-up (need[j, hv] = 1: segment j - 1 needs
+segment j's dS at its start), the program walks forward to the nearest segment whose dS_end is settled and runs
+the chain from there back, storing nothing for the chunks it walked (another program's) before its own chunks,
+as the forward's state pass walks back (state_output_ws.py). dht holds every segment's dS_end from the warm-up.
+
 Rows past a sequence's end: the side warpgroup zeroes them in all three hand-over tiles, so dU's rows there
 are zero; Tb's rows there still reach dX through Tb^T dU (times zero), which is why the forward writes Tb
 with zeros past cu_seqlens[-1] (an unwritten row could hold NaN).
@@ -33,14 +39,17 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 
 def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bool = False,
-                           store_dh0: bool = False, block_v: int = 64, stages: int = 2, K: int = 128,
-                           V: int = 128):
+                           store_dh0: bool = False, block_v: int = 64, stages: int = 2, chained: bool = False,
+                           K: int = 128, V: int = 128):
+    """chained (needs has_dht): `need` [num_need >= num_seqs, HV] int32 is read (module docstring); otherwise it is
+    a placeholder the kernel never touches."""
     C = CHUNK
     BV = block_v
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     GROUP = HV // H
+    assert has_dht or not chained, "a chained run starts from its walk's warm dS_end"
 
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
@@ -48,6 +57,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
     num_gates = T.dynamic("num_gates")
+    num_need = T.dynamic("num_need")
 
     @T.prim_func
     def gdn_backward_state(
@@ -65,11 +75,24 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
         dh0: T.Tensor((num_dh0, HV, K, V), accum),
         scale: T.float32,
         gate: T.Tensor((num_gates, HV), "int32"),   # 0: nothing to do (the gated route's flags, backward.py)
+        need: T.Tensor((num_need, HV), "int32"),
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
-            bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
+            bos, eos_own, n_own, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
+            # the run, walked from its last chunk back: the program's own n_own chunks, after `post` chunks of the
+            # segments up to `last` (chained; all whole but a sequence's tail), ending at token eos
+            if chained:
+                last = T.alloc_var("int32", init=num_seqs - 1)  # before the first settled hand-over after n
+                for d in T.serial(num_seqs - 1 - n):
+                    if need[num_seqs - 1 - d, hv] == 0:
+                        last = num_seqs - 2 - d
+                eos = cu_seqlens[last + 1]
+                n_chunks = chunk_offsets[last + 1] - c0
+                post = n_chunks - n_own
+            else:
+                last, eos, n_chunks, post = n, eos_own, n_own, 0
 
             # stage tiles (TMA destinations)
             q_s = T.alloc_shared((stages, C, K), dtype)
@@ -120,7 +143,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                     # ---- chain ----
                     T.set_max_nreg(232, 1)
                     if has_dht:
-                        T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
+                        T.copy(dht[last, hv, 0:K, v0:v0 + BV], dS)
                     else:
                         T.clear(dS)
                     for i in T.serial(n_chunks):
@@ -133,18 +156,20 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                         T.barrier_wait(side_ready[h], (i // 2) % 2)
                         T.copy(dS, ds_s)
                         T.fence_proxy_async()
-                        T.copy(ds_s, dh[c0 + ci, hv, 0:K, v0:v0 + BV])                              # dS_end of the chunk
+                        if i >= post:  # the program's own chunks: the walk's are another program's to store
+                            T.copy(ds_s, dh[c0 + ci, hv, 0:K, v0:v0 + BV])                          # dS_end of the chunk
                         T.wgmma_gemm(p_s[h, :, :], do_s[s, :, :], acc, transpose_A=True, clear_accum=True)   # P^T dO
                         T.wgmma_gemm(ek_s[h, :, :], ds_s, acc)                                   # + diag(e) K dS
                         T.wait_wgmma(0)
                         T.copy(acc, du_s)
                         T.fence_proxy_async()
-                        if n_valid == C:
-                            T.copy(du_s, du[0, t0:t0 + C, hv, v0:v0 + BV])
-                        else:
-                            for r, j in T.Parallel(C, BV):
-                                if r < n_valid:
-                                    du[0, t0 + r, hv, v0 + j] = du_s[r, j]
+                        if i >= post:
+                            if n_valid == C:
+                                T.copy(du_s, du[0, t0:t0 + C, hv, v0:v0 + BV])
+                            else:
+                                for r, j in T.Parallel(C, BV):
+                                    if r < n_valid:
+                                        du[0, t0 + r, hv, v0 + j] = du_s[r, j]
                         T.wgmma_gemm(a_s[s, :, :], du_s, acc, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
                         g_last = g_s[s, n_valid - 1]
                         for r in T.Parallel(C):
@@ -160,9 +185,10 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                         T.wait_wgmma(0)
                         T.barrier_arrive(side_free[h])
                         T.barrier_arrive(freed[s])
-                        for r, j in T.Parallel(C, BV):
-                            if r < n_valid:
-                                dv[0, t0 + r, hv, v0 + j] = acc[r, j]
+                        if i >= post:
+                            for r, j in T.Parallel(C, BV):
+                                if r < n_valid:
+                                    dv[0, t0 + r, hv, v0 + j] = acc[r, j]
                     if store_dh0:
                         T.copy(dS, dh0[n, hv, 0:K, v0:v0 + BV])
                 else:
