@@ -192,11 +192,15 @@ def test_state_output_ws_chained_reads_its_flags(block_v, stages, emit_output):
     assert "need[" not in plain
 
 
-@pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv", [(16, 32, "bfloat16", True, True, 64), (4, 8, "float16", False, False, 32)])
-def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv):
+@pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv,chained", [(16, 32, "bfloat16", True, True, 64, False),
+                                                        (4, 8, "float16", False, False, 32, False),
+                                                        (8, 32, "bfloat16", True, True, 64, True)])
+def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv, chained):
+    """The reverse pass; its chained build (context parallelism's chained route) also reads `need`."""
     _tilelang()
-    src = _source("backward_state", H, HV, dtype, has_dht=dht, store_dh0=dh0, block_v=bv)
+    src = _source("backward_state", H, HV, dtype, has_dht=dht, store_dh0=dh0, block_v=bv, chained=chained)
     _assert_hopper_paths(src)
+    assert ("need[" in src) == chained
     assert src.count("wgmma_ss") == 6, "the six products (three on the chain, one on the side) are not all wgmma"
     assert "tma_store(dh_desc" in src and "tma_store(du_desc" in src, "dS_end / dU stores did not lower to TMA"
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
@@ -612,29 +616,39 @@ def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
             aug[n, hv] = S.float()
 
 
-def _backward_state_stand_in(has_dht, store_dh0):
+def _backward_state_stand_in(has_dht, store_dh0, chained=False):
     """What the backward's reverse pass writes: per chunk its dS_end (bf16, also the operand the chain uses),
-    dU and dX rows, and dh0; nothing for a (segment, head) whose gate holds 0 (as the propagator's)."""
-    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate):
+    dU and dX rows, and dh0; nothing for a (segment, head) whose gate holds 0 (as the propagator's). chained: a
+    program whose dS_end need flags as unsettled runs from the end of the nearest segment after it whose dS_end is
+    settled (its dht row), writing only its own chunks."""
+    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate, need):
+        n_prog = cu.numel() - 1
+        assert not chained or need.shape[0] == n_prog   # else a placeholder the kernel never reads
         grp = a.shape[2] // k.shape[2]
-        for n in range(cu.numel() - 1):
-            bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
+        for n in range(n_prog):
+            bos, c0, own_end = int(cu[n]), int(chunk_offsets[n]), int(chunk_offsets[n + 1])
             for hv in range(a.shape[2]):
                 if int(gate[min(n, gate.shape[0] - 1), hv]) == 0:
                     continue
-                dS = dht[n, hv].double() if has_dht else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
-                for ic in reversed(range(-(-(eos - bos) // 64))):
+                last = min([j - 1 for j in range(n + 1, n_prog) if int(need[j, hv]) == 0], default=n_prog - 1) \
+                    if chained else n
+                eos, end = int(cu[last + 1]), int(chunk_offsets[last + 1])
+                dS = dht[last, hv].double() if has_dht else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
+                for ic in reversed(range(end - c0)):
+                    own = c0 + ic < own_end
                     t0 = bos + ic * 64
                     m = min(eos - t0, 64)
                     qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
                     tb, dO = a[0, t0:t0 + m, hv, :m].double(), do[0, t0:t0 + m, hv].double()
                     gs = gamma[hv, c0 + ic, :m].double()
-                    dh[c0 + ic, hv] = dS.to(dh.dtype)
+                    if own:
+                        dh[c0 + ic, hv] = dS.to(dh.dtype)
                     i = torch.arange(m)
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
                     dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dS.to(dh.dtype).double())
                     dX = tb.T @ dU
-                    du[0, t0:t0 + m, hv], dv[0, t0:t0 + m, hv] = dU.to(du.dtype), dX.to(dv.dtype)
+                    if own:
+                        du[0, t0:t0 + m, hv], dv[0, t0:t0 + m, hv] = dU.to(du.dtype), dX.to(dv.dtype)
                     dS = (scale * qq.T @ (gs.exp()[:, None] * dO) + gs[-1].exp() * dS
                           - kk.T @ (gs.exp()[:, None] * dX))
                 if store_dh0:
@@ -700,16 +714,15 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-mixed-gates",
-                                  "segments-warmup",
-                                  "segments-exact"])
+                                  "segments-chained", "segments-chained-mixed-gates", "segments-exact"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
     reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
     With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
     the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle,
-    gates that barely decay, and one head of each), the warm-up route with lengths read back (where the exact route
-    does not pay), or the exact route alone. The kernels are float64 stand-ins of their contracts; every
+    gates that barely decay, and one head of each), the chained route (where the exact route does not pay: the
+    same warm-up, the reverse pass walking forward where it left a pair unsettled), or the exact route alone. The kernels are float64 stand-ins of their contracts; every
     gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
@@ -720,7 +733,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     segments = case.startswith("segments")
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
-    if case == "segments-warmup":
+    chained = case.startswith("segments-chained")
+    if chained:
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     flags = []   # the gated routes' device flags: (reverse, transitions needed per segment and head)
     real_needed = bwd.warmup.transitions_needed
@@ -730,19 +744,17 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
                                                                    lambda H, HV, dt: _propagator_stand_in))
-    warmups = []
-    real = bwd._warmup_ds_ends
-    monkeypatch.setattr(bwd, "_warmup_ds_ends", lambda *a: warmups.append(a[3]) or real(*a))
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
-    monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(calls, "backward_state_kernel", lambda H, HV, dt, has_dht, store_dh0, bv:
-                        _backward_state_stand_in(has_dht, store_dh0)))
+    monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(
+        calls, "backward_state_kernel",
+        lambda H, HV, dt, has_dht, store_dh0, bv, chained=False: _backward_state_stand_in(has_dht, store_dh0, chained)))
     monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
                                                              lambda H, HV, dt, grads_dt: _grads_in(grads_dt)))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     varlen = case == "varlen-gva-options"
-    H, HV = (1, 2) if varlen or case == "segments-mixed-gates" else (1, 1)
+    H, HV = (1, 2) if varlen or case.endswith("mixed-gates") else (1, 1)
     B, T, lengths = {"dense": (2, 100, None), "varlen-gva-options": (1, 300, [130, 0, 167])}.get(
         case, (1, 400, [333, 0, 60]))
     N = B if lengths is None else len(lengths)
@@ -751,7 +763,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         q, k = F.normalize(q.float(), dim=-1).half(), F.normalize(k.float(), dim=-1).half()
     v, g, beta = r(B, T, HV, V).half(), r(B, T, HV), r(B, T, HV)
     if not varlen:
-        scale = {"segments-weak-gates": 1e-3, "segments-mixed-gates": torch.tensor([0.3, 1e-3])}.get(case, 0.3)
+        scale = torch.tensor([0.3, 1e-3]) if case.endswith("mixed-gates") else 1e-3 if case == "segments-weak-gates" \
+            else 0.3
         g, beta = F.logsigmoid(g) * scale, torch.sigmoid(beta)
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
                 use_beta_sigmoid_in_kernel=True) if varlen else {}
@@ -786,14 +799,16 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     assert all(e < 2e-3 for e in errs.values()), errs  # fp16 inputs, bf16 S0 / dS_end: ~3e-4 measured
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
-    # segments: 333 tokens in 2-chunk segments; the gates decay by ~15 a chunk, so 1 chunk (warmup.reach) reaches e^-12
-    assert warmups == ([[1, 1, 0, 0]] if case == "segments-warmup" else [])
-    # the backward's: 4 segments (3 of the first sequence, one of the third; the second is empty), one head;
-    # weak gates leave segments 0 and 1 unsettled, which need the transitions of segments 1 and 2
+    # the backward's flags: 4 segments (3 of the first sequence, one of the third; the second is empty); the gates
+    # decay by ~15 a chunk, so the 1-chunk warm-up (2-chunk segments) settles; weak gates leave segments 0 and 1
+    # unsettled, which need the transitions of segments 1 and 2 (gated), or walk forward over them (chained)
     backward_flags = [f for reverse, f in flags if reverse]
-    assert backward_flags == {"segments": [[[0], [0], [0], [0]]],
-                              "segments-weak-gates": [[[0], [1], [1], [0]]],
-                              "segments-mixed-gates": [[[0, 0], [0, 1], [0, 1], [0, 0]]]}.get(case, []), flags
+    mixed = [[[0, 0], [0, 1], [0, 1], [0, 0]]]
+    assert backward_flags == {"segments": [[[0], [0], [0], [0]]], "segments-chained": [[[0], [0], [0], [0]]],
+                              "segments-weak-gates": [[[0], [1], [1], [0]]], "segments-mixed-gates": mixed,
+                              "segments-chained-mixed-gates": mixed}.get(case, []), flags
+    walked = {name for name, args in calls if name in ("state_output_kernel", "backward_state_kernel") and args[-1]}
+    assert walked == ({"state_output_kernel", "backward_state_kernel"} if chained else set()), walked
     _assert_in_family(calls, H, HV, "float16", training=True)
 
 
@@ -1057,7 +1072,7 @@ def test_backward_state_matches_reference_chunked_backward():
         dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
         dh0 = torch.full((1, HV, K, V), float("nan"), device=dev)
         kernel(q, k, got["a"], do, got["gamma"].reshape(HV, nc, 64), layout.cu_seqlens, layout.chunk_offsets, dht,
-               du, dv, dh, dh0, float(problem.scale), open_gate(q.device, HV))
+               du, dv, dh, dh0, float(problem.scale), open_gate(q.device, HV), open_gate(q.device, HV))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
@@ -1106,7 +1121,8 @@ def test_chunk_grads_matches_reference_chunked_backward():
         stub = torch.empty(1, HV, K, V, device=dev)
         bwd.backward_state_kernel(H, HV, dt, True, False, 64)(q, k, got["a"], do, gamma, layout.cu_seqlens,
                                                                layout.chunk_offsets, dht, du, dv, dh, stub,
-                                                               float(problem.scale), bwd.open_gate(q.device, HV))
+                                                               float(problem.scale), bwd.open_gate(q.device, HV),
+                                                               bwd.open_gate(q.device, HV))
         outs = [torch.full((1, T, H, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
         bwd.chunk_grads_kernel(H, HV, dt, "float32")(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
@@ -1191,22 +1207,33 @@ def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gate_scale", [1.0, 1e-3], ids=["warmup", "weak-gates"])
-def test_training_with_context_parallelism(gate_scale):
+@pytest.mark.parametrize("route,gate_scale", [("gated", 1.0), ("gated", 1e-3), ("chained", (1.0, 1e-3))],
+                         ids=["warmup", "weak-gates", "chained-mixed-gates"])
+def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
     """One long sequence at 2/8 (segments on an H200): forward and backward in segments, by warm-ups with
-    decaying gates, by the exact routes (propagator and segment scans) with gates that barely decay; every
-    gradient against the float64 chunked backward."""
+    decaying gates, by the exact routes (propagator and segment scans) with gates that barely decay, by the
+    chained routes (16-chunk segments, the exact route made not to pay) with half the heads barely decaying, so
+    their programs walk up to 8 segments both ways; every gradient against the float64 chunked backward."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
     pytest.importorskip("triton")
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    from gdnkit.backends.tilelang_sm90 import context_parallel
     H, HV, T, dev = 2, 8, 8200, "cuda"
+    if route == "chained":
+        monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)
+        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+    routes = []
+    real_segments = bwd._segments
+    monkeypatch.setattr(bwd, "_segments", lambda *a: routes.append(real_segments(*a)[1]) or real_segments(*a))
     gen = torch.Generator(device=dev).manual_seed(9)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    rates = torch.tensor(gate_scale, device=dev).repeat(HV // 2) if route == "chained" else gate_scale
     x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
-             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)) * gate_scale,
+             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)) * rates,
              beta=torch.sigmoid(r(1, T, HV)), initial_state=r(1, HV, K, V) * 0.1)
     do, dht = r(1, T, HV, V).to(torch.bfloat16), r(1, HV, K, V) * 0.1
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
@@ -1225,3 +1252,4 @@ def test_training_with_context_parallelism(gate_scale):
     assert _rel(o, ref_o) <= BF16_FWD_BAR
     errs = {n: _rel(got[n], want[n]) for n in want}
     assert all(e <= 1e-2 for e in errs.values()), errs
+    assert routes == [route]

@@ -1,4 +1,4 @@
-"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up search, compiles for real GPUs (sm80,
+"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up flags, compiles for real GPUs (sm80,
 sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
@@ -28,7 +28,7 @@ CAPABILITIES = (80, 90)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0", "warm"}
 INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need"}
-# tilelang_sm90's warm-up search (warmup_bound.py): int64 segment tables, float64 sums, int scalars
+# tilelang_sm90's warm-up flags (warmup_bound.py): int64 segment tables, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out"}
 INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
@@ -52,11 +52,9 @@ KERNELS = {
     "segment_scan_gated": ("context_parallel", "segment_scan_kernel",
                            dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=False,
                                 STATE_V_FIRST=False, REVERSE=True, GATED=True)),
-    # tilelang_sm90's warm-up search runs in Triton too (warmup_bound.py), at a grouped head count
+    # tilelang_sm90's warm-up flags run in Triton too (warmup_bound.py), at a grouped head count
     "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
-    "warmup_first_settled": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_first_settled_kernel",
-                             dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0)),
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
                      dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
 }

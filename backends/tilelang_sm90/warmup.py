@@ -8,13 +8,12 @@ those m chunks from a zero state gives the segment's S0 to within e^LOG_BOUND of
 (e^-12 ~ 6e-6, where bf16 rounding is 4e-3). A warm-up that reaches back to its sequence's start is exact (it
 starts from the sequence's initial state).
 
-The warm-up runs the forward's own state kernel on the gathered warm-up chunks (a few per segment with decaying
-gates), so it costs a gather and a short launch, where the exact route (propagator.py + the segment scan)
-costs ~1.3 output passes. Where the exact route pays, forward.py runs a warm-up of fixed length (fixed_warmup,
-FIRST_WINDOW chunks) with the exact route behind it, gated per (segment, head) on the device where the warm-up
-left a head unsettled (transitions_needed): nothing is read back, so CUDA graphs capture it. Elsewhere it runs
-warm-ups as long as each segment needs, up to half a segment (reach), learned with host reads (warmup_lengths);
-under capture, no segments there.
+The warm-up runs the forward's own state kernel on the gathered warm-up chunks, a fixed few per segment
+(fixed_warmup: FIRST_WINDOW chunks, or half a segment where that is less), so it costs a gather and a short
+launch, where the exact route (propagator.py + the segment scan) costs ~1.3 output passes. Whether it settled
+each (segment, head) is decided on the device (transitions_needed), and what covers the pairs it did not is
+the route's (context_parallel.py): the exact kernels gated per pair, or the state pass walking back over the
+segments before (chained). Nothing is read back, so CUDA graphs capture every route.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
@@ -28,15 +27,9 @@ import torch
 
 CHUNK = 64
 LOG_BOUND = -12.0
-FIRST_WINDOW = 4     # chunks next to each segment that warmup_lengths reads first
-
-
-def reach(segment_chunks: int) -> int:
-    """The longest warm-up worth running, in chunks: half a segment. Each warm-up chunk lies on the critical path
-    as a segment's own chunk does, so a warm-up as long as its segment (an exact one over the whole segment before
-    it, where the gates barely decay) leaves the forward as slow as without segments (H200, 8/32 1x32768 with
-    gates scaled by 1e-4: 2 segments, the second warmed up over all of the first)."""
-    return segment_chunks // 2
+# Chunks per fixed warm-up: the quick grid's gates (logsigmoid(randn), ~0.8 a token) settle in one; model-like
+# gates' median head in 2-3, their slowest in 76-175 (NOTES.md), which no short window reaches.
+FIRST_WINDOW = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,35 +63,6 @@ def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int],
     return WarmupTables(as_dev(starts), as_dev(ends), as_dev(seq_ends), as_dev(before), as_dev(after),
                         tuple(seq_of), tuple(before), tuple(after), tuple(starts), tuple(ends), tuple(seq_ends),
                         tuple(seg_chunk_rows), tuple(end_rows))
-
-
-def warmup_chunks(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, limit: int,
-                  reverse: bool = False) -> torch.Tensor:
-    """[n_seg] int64 on the device: the fewest whole chunks before each segment (reverse: after it) whose bound
-    is below LOG_BOUND for every head, or all of them to the sequence's start (end) -- exact -- or limit + 1
-    where that takes more than `limit` chunks. 0 for a sequence's first (last) segment. The backward's dS
-    chain runs the transposes of the same per-token maps, so the same norms bound it. Per token and value head
-    the bound's log is log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|) (natural-log gates g, beta
-    [1, tokens, HV]; k [1, tokens, H, K]), summed in float64.
-
-    Only the `limit` chunks next to each segment are read, in two launches (warmup_bound.py: chunk sums in
-    parallel, then the search per segment; a prefix sum over all tokens instead, torch's scan along a long outer
-    dimension, took 5.7 ms at 32768 tokens on the H200)."""
-    from .warmup_bound import warmup_chunks as search
-    return search(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, limit, reverse, LOG_BOUND)
-
-
-def warmup_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, limit: int,
-                   reverse: bool = False) -> list[int]:
-    """warmup_chunks on the host: first over the FIRST_WINDOW chunks next to each segment, which settles it where
-    the gates decay (one chunk is typical), then over all `limit` chunks where that left a segment unsettled
-    (a second host read). Reading a whole half-segment window every call cost ~0.25 ms of gathers and casts at
-    8/32 1x32768 (H200), as much as the segments saved."""
-    window = min(limit, FIRST_WINDOW)
-    m = warmup_chunks(t, g, k, beta, window, reverse).tolist()
-    if window < limit and max(m) > window:
-        m = warmup_chunks(t, g, k, beta, limit, reverse).tolist()
-    return m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,15 +117,16 @@ def warmup_run(t: WarmupTables, m: list[int] | tuple[int, ...], device: torch.de
 
 
 def window(segment_chunks: int) -> int:
-    """The graph-safe warm-up's length in chunks: FIRST_WINDOW, or less where half a segment is less."""
-    return min(reach(segment_chunks), FIRST_WINDOW)
+    """The fixed warm-up's length in chunks: FIRST_WINDOW, or half a segment where that is less (each warm-up chunk
+    lies on the critical path as a segment's own chunk does)."""
+    return min(segment_chunks // 2, FIRST_WINDOW)
 
 
 def fixed_warmup(t: WarmupTables, window: int, device: torch.device, reverse: bool = False) -> WarmupRun:
-    """The graph-safe warm-up: min(window, available) chunks for every segment, known from the host tables
-    alone, so its launch is built with the segment plan (context_parallel.plan_segments, both directions) and a
-    call, captured or not, reads nothing back. Whether it settled each (segment, head) is decided on the device
-    (transitions_needed); the exact route, gated on those flags, covers the pairs it did not."""
+    """The warm-up: min(window, available) chunks for every segment, known from the host tables alone, so its
+    launch is built with the segment plan (context_parallel.plan_segments, both directions) and a call, captured
+    or not, reads nothing back. Whether it settled each (segment, head) is decided on the device
+    (transitions_needed); the route covers the pairs it did not."""
     avail = t.after_host if reverse else t.before_host
     return warmup_run(t, tuple(min(window, a) for a in avail), device, reverse)
 
@@ -170,7 +135,7 @@ def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: 
                        reverse: bool = False) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because fixed_warmup(t, window)
     leaves, for that head, the segment it hands its state to (the next one; the previous one with reverse)
-    outside the bound; 0 elsewhere (the gated route's flags: context_parallel.py)."""
+    outside the bound; 0 elsewhere (the flags of the gated and chained routes: context_parallel.py)."""
     from .warmup_bound import transitions_needed as flags
     return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
 
@@ -190,9 +155,3 @@ def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, i
             init.index_copy_(0, wr.exact, boundary.index_select(0, wr.exact_seq))
         out.index_copy_(0, wr.rows, run(wr.launch, init))
     return out
-
-
-def warmed_states(t: WarmupTables, m: list[int], boundary: torch.Tensor | None, shape: tuple[int, int, int],
-                  device: torch.device, run, reverse: bool = False) -> torch.Tensor:
-    """run_states for warm-up lengths m read from the device (warmup_lengths)."""
-    return run_states(warmup_run(t, m, device, reverse), boundary, shape, device, run)

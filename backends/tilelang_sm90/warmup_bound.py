@@ -1,16 +1,16 @@
-"""warmup.warmup_chunks in two Triton launches: per segment, the fewest chunks next to it whose summed norm bound
-is below LOG_BOUND for every value head (warmup.py says why that bound suffices). Also transitions_needed, the
-per-head test of a warm-up of fixed length that the graph-safe route (warmup.fixed_warmup) runs on the device.
+"""warmup.transitions_needed in two Triton launches: per (segment, value head), whether a warm-up of fixed length
+(warmup.fixed_warmup) brings the summed norm bound below LOG_BOUND (warmup.py says why that bound suffices), and
+the flag of the segment whose transition is needed where it does not.
 
     1. chunk sums, one program per (segment, window chunk, key head): the chunk's 64 tokens at once, the bound's
-       log summed per value head of the key head's group (float64) into sums [n_seg, limit, HV];
-    2. the search, one program per segment: running sums over its window's chunks, nearest first, and the first
-       chunk count where every head is settled.
+       log summed per value head of the key head's group (float64) into sums [n_seg, window, HV];
+    2. the flags, one program per segment: the window's sums added, the test per head, one store.
 
 History (H200, session 10): one program per segment walking its window 16 tokens and one key head at a time cost
 0.13-0.40 ms a call (4/8 1x8192 to 16/32 1x32768, eager), latency-bound: ~16 dependent small loads per chunk and
-head. The PyTorch form before it (gathers, float64 casts, a sum per chunk, a cumulative sum, all/argmax) was ~35
-small ops and two host reads a call. Here the loads are spread over programs and each is one 64-token tile.
+head. The PyTorch form before it (gathers, float64 casts, a sum per chunk, a cumulative sum) was ~35 small ops and
+host reads. Here the loads are spread over programs and each is one 64-token tile. (Until session 11 a search for
+the shortest settling warm-up ran here too, for a route that read its lengths back; the chained route replaced it.)
 
 Imported only where context parallelism runs (context_parallel.available: triton importable)."""
 from __future__ import annotations
@@ -56,25 +56,6 @@ def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit
 
 
 @triton.jit
-def _first_settled_kernel(sums, before, after, out, limit, HV: tl.constexpr, HVP: tl.constexpr,
-                          REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
-    """Segment j: the first m in 1 .. limit whose running sum of chunk sums is <= LOG_BOUND for every head, or
-    m = the chunks available (exact), or limit + 1; 0 where none are available."""
-    j = tl.program_id(0).to(tl.int64)
-    hv = tl.arange(0, HVP)
-    mh = hv < HV
-    avail = tl.load(after + j) if REVERSE else tl.load(before + j)
-    total = tl.zeros([HVP], dtype=tl.float64)
-    first = avail * 0 + limit + 1
-    for m in range(0, limit):
-        total += tl.load(sums + (j * limit + m) * HV + hv, mask=mh, other=0.0)
-        settled = tl.sum(tl.where(mh & (total > LOG_BOUND), 1, 0), 0) == 0   # padding heads never block
-        ok = (m + 1 <= avail) & (settled | (m + 1 == avail))
-        first = tl.where(ok & (first == limit + 1), m + 1, first)
-    tl.store(out + j, tl.where(avail == 0, 0, first))
-
-
-@triton.jit
 def _needs_kernel(sums, before, after, need, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
                   REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
     """Segment j's warm-up of exactly m = min(window, chunks available) chunks, per value head: settled if it
@@ -96,7 +77,8 @@ def _needs_kernel(sums, before, after, need, window, stride, HV: tl.constexpr, H
 
 
 def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse: bool) -> torch.Tensor:
-    """[n_seg, max(limit, 1), HV] float64: the bound's log summed per chunk of each segment's window."""
+    """[n_seg, max(limit, 1), HV] float64: the bound's log summed per chunk of each segment's window of `limit`
+    chunks."""
     _, n_tok, HV = g.shape
     H, K = k.shape[2], k.shape[3]
     n_seg = starts.shape[0]
@@ -111,9 +93,10 @@ def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse:
 def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
                        after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
                        reverse: bool, log_bound: float) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device: 1 where the exact route needs a (segment, head)'s transition because a
-    warm-up of min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the
-    bound (warmup.transitions_needed's test, read by the gated exact route's kernels; nothing is read back)."""
+    """[n_seg, HV] int32 on the device: 1 where a (segment, head)'s transition is needed because a warm-up of
+    min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the bound
+    (warmup.transitions_needed's test, read by the gated route's exact kernels and the chained route's state
+    passes; nothing is read back)."""
     n_seg, HV = starts.shape[0], g.shape[2]
     need = torch.zeros(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
@@ -121,19 +104,3 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
         _needs_kernel[(n_seg,)](sums, before, after, need, window, sums.shape[1], HV=HV,
                                 HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
     return need
-
-
-def warmup_chunks(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
-                  after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, limit: int,
-                  reverse: bool, log_bound: float) -> torch.Tensor:
-    """[n_seg] int64 (warmup.warmup_chunks' contract), from the segment tables and the kernels' inputs g, beta
-    [1, tokens, HV] and k [1, tokens, H, K], each contiguous."""
-    HV = g.shape[2]
-    n_seg = starts.shape[0]
-    out = torch.empty(n_seg, dtype=torch.int64, device=g.device)
-    if n_seg == 0:
-        return out
-    sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit, reverse)
-    _first_settled_kernel[(n_seg,)](sums, before, after, out, limit, HV=HV, HVP=triton.next_power_of_2(HV),
-                                    REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
-    return out
