@@ -178,29 +178,29 @@ def test_state_output_ws_without_output_stores_only_the_states(block_v, stages):
 
 
 @pytest.mark.parametrize("block_v,stages,emit_output", [(64, 2, True), (32, 3, False)])
-def test_state_output_ws_chained_reads_its_flags(block_v, stages, emit_output):
+def test_state_output_ws_chained_reads_its_walks(block_v, stages, emit_output):
     """The chained build (context parallelism's chained route): the Hopper paths as in the plain build, the
-    walk back reads `need`, and no barrier waits under a thread subset (the walk's chunks skip the hand-over
-    barriers on a condition every thread of the role evaluates alike)."""
+    walk reads `walk` and `before`, and no barrier waits under a thread subset (the walk's chunks skip the
+    hand-over barriers on a condition every thread of the role evaluates alike)."""
     _tilelang()
     src = _source("state_output_ws", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
                   store_final_state=True, chained=True, emit_output=emit_output, store_states=not emit_output)
     _assert_hopper_paths(src)
-    assert "need[" in src
+    assert "walk[" in src and "before[" in src
     plain = _source("state_output_ws", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
                     store_final_state=True, emit_output=emit_output, store_states=not emit_output)
-    assert "need[" not in plain
+    assert "walk[" not in plain
 
 
 @pytest.mark.parametrize("H,HV,dtype,dht,dh0,bv,chained", [(16, 32, "bfloat16", True, True, 64, False),
                                                         (4, 8, "float16", False, False, 32, False),
                                                         (8, 32, "bfloat16", True, True, 64, True)])
 def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv, chained):
-    """The reverse pass; its chained build (context parallelism's chained route) also reads `need`."""
+    """The reverse pass; its chained build (context parallelism's chained route) also reads `walk`."""
     _tilelang()
     src = _source("backward_state", H, HV, dtype, has_dht=dht, store_dh0=dh0, block_v=bv, chained=chained)
     _assert_hopper_paths(src)
-    assert ("need[" in src) == chained
+    assert ("walk[" in src) == chained
     assert src.count("wgmma_ss") == 6, "the six products (three on the chain, one on the side) are not all wgmma"
     assert "tma_store(dh_desc" in src and "tma_store(du_desc" in src, "dS_end / dU stores did not lower to TMA"
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
@@ -559,18 +559,19 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
 
 def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chained=False):
     """What the state/output kernel writes: O rows of every sequence (of cu) if emit_output, final states if
-    asked, every chunk's entering state (bf16) if store_states. chained: a program whose start need flags as
-    unsettled runs from the nearest settled segment's start (its h0 row), writing only its own chunks."""
-    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs, need=None):
-        assert not chained or need.shape[0] == cu.numel() - 1   # else a placeholder the kernel never reads
+    asked, every chunk's entering state (bf16) if store_states. chained: each program first walks walk[n, hv]
+    chunks before its segment from zero, or from its h0 row where that reaches the sequence's start
+    (walk == before[n]), writing only its own chunks."""
+    def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs, walk=None, before=None):
+        assert not chained or walk.shape[0] == cu.numel() - 1   # else placeholders the kernel never reads
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
             for hv in range(v.shape[2]):
-                start = max([j + 1 for j in range(n) if int(need[j, hv]) == 0], default=0) if chained else n
-                run_bos, run_c0 = int(cu[start]), int(chunk_offsets[start])
-                pre = c0 - run_c0
-                S = h0[start, hv].double() if has_h0 else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
+                pre = int(walk[n, hv]) if chained else 0
+                exact = not chained or pre == int(before[n])
+                run_bos, run_c0 = bos - 64 * pre, c0 - pre
+                S = h0[n, hv].double() if has_h0 and exact else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
                 for ic in range(pre + -(-(eos - bos) // 64)):
                     t0 = run_bos + ic * 64
                     m = min(eos - t0, 64)
@@ -618,22 +619,24 @@ def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
 
 def _backward_state_stand_in(has_dht, store_dh0, chained=False):
     """What the backward's reverse pass writes: per chunk its dS_end (bf16, also the operand the chain uses),
-    dU and dX rows, and dh0; nothing for a (segment, head) whose gate holds 0 (as the propagator's). chained: a
-    program whose dS_end need flags as unsettled runs from the end of the nearest segment after it whose dS_end is
-    settled (its dht row), writing only its own chunks."""
-    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate, need):
+    dU and dX rows, and dh0; nothing for a (segment, head) whose gate holds 0 (as the propagator's). chained: each
+    program first walks walk[n, hv] chunks after its segment, last first, from zero, or from its dht row where
+    that reaches the sequence's end (walk == after[n]; the walk then ends at seq_end[n]), writing only its own
+    chunks."""
+    def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate, walk, after, seq_end):
         n_prog = cu.numel() - 1
-        assert not chained or need.shape[0] == n_prog   # else a placeholder the kernel never reads
+        assert not chained or walk.shape[0] == n_prog   # else placeholders the kernel never reads
         grp = a.shape[2] // k.shape[2]
         for n in range(n_prog):
             bos, c0, own_end = int(cu[n]), int(chunk_offsets[n]), int(chunk_offsets[n + 1])
             for hv in range(a.shape[2]):
                 if int(gate[min(n, gate.shape[0] - 1), hv]) == 0:
                     continue
-                last = min([j - 1 for j in range(n + 1, n_prog) if int(need[j, hv]) == 0], default=n_prog - 1) \
-                    if chained else n
-                eos, end = int(cu[last + 1]), int(chunk_offsets[last + 1])
-                dS = dht[last, hv].double() if has_dht else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
+                post = int(walk[n, hv]) if chained else 0
+                exact = not chained or post == int(after[n])
+                eos = int(seq_end[n]) if chained and exact else int(cu[n + 1]) + 64 * post
+                end = own_end + post
+                dS = dht[n, hv].double() if has_dht and exact else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
                 for ic in reversed(range(end - c0)):
                     own = c0 + ic < own_end
                     t0 = bos + ic * 64
@@ -740,6 +743,10 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     real_needed = bwd.warmup.transitions_needed
     monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False: flags.append(
         (reverse, real_needed(*a, reverse=reverse).tolist())) or real_needed(*a, reverse=reverse))
+    walks = []   # the chained routes' walks: (chunks per segment and head, reverse)
+    real_walks = bwd.warmup.walk_lengths
+    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False: walks.append(
+        (real_walks(*a, reverse=reverse).tolist(), reverse)) or real_walks(*a, reverse=reverse))
     calls = []
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
@@ -801,12 +808,17 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
     # the backward's flags: 4 segments (3 of the first sequence, one of the third; the second is empty); the gates
     # decay by ~15 a chunk, so the 1-chunk warm-up (2-chunk segments) settles; weak gates leave segments 0 and 1
-    # unsettled, which need the transitions of segments 1 and 2 (gated), or walk forward over them (chained)
+    # unsettled, which need the transitions of segments 1 and 2
     backward_flags = [f for reverse, f in flags if reverse]
-    mixed = [[[0, 0], [0, 1], [0, 1], [0, 0]]]
-    assert backward_flags == {"segments": [[[0], [0], [0], [0]]], "segments-chained": [[[0], [0], [0], [0]]],
-                              "segments-weak-gates": [[[0], [1], [1], [0]]], "segments-mixed-gates": mixed,
-                              "segments-chained-mixed-gates": mixed}.get(case, []), flags
+    assert backward_flags == {"segments": [[[0], [0], [0], [0]]], "segments-weak-gates": [[[0], [1], [1], [0]]],
+                              "segments-mixed-gates": [[[0, 0], [0, 1], [0, 1], [0, 0]]]}.get(case, []), flags
+    # chained: the walks instead, forward (chunks before each segment; two forward calls above) and reverse (after
+    # it): one chunk for the decaying head where there is one, all of them to the sequence's boundary for the
+    # barely decaying one
+    fwd_walk, bwd_walk = {"segments-chained": ([[0], [1], [1], [0]], [[1], [1], [0], [0]]),
+                          "segments-chained-mixed-gates": ([[0, 0], [1, 2], [1, 4], [0, 0]],
+                                                           [[1, 4], [1, 2], [0, 0], [0, 0]])}.get(case, (None, None))
+    assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)]), walks
     walked = {name for name, args in calls if name in ("state_output_kernel", "backward_state_kernel") and args[-1]}
     assert walked == ({"state_output_kernel", "backward_state_kernel"} if chained else set()), walked
     _assert_in_family(calls, H, HV, "float16", training=True)
@@ -906,12 +918,17 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
         got = {}
         results[segs] = fwd.forward(problem, inputs, intermediates=got)[:2]
         assert got["context_parallel"] == (route if segs else None)
-        if segs and route in ("gated", "chained"):
+        if segs and route == "gated":
             need = got["transitions_needed"]
             if settled == "mixed":   # head 0 decays, head 1 barely: only head 1's transitions run
                 assert need[:, 0].sum() == 0 and need[:, 1].sum() > 0
             else:
                 assert (int(need.sum()) == 0) == settled
+        if segs and route == "chained":   # one chunk settles a decaying head; a barely decaying one walks it all
+            walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, 2).walks.before
+            short, whole = before.clamp_max(1), before
+            want = {True: (short, short), False: (whole, whole), "mixed": (short, whole)}[settled]
+            assert all(torch.equal(walk[:, hv], want[hv]) for hv in range(HV)), (walk, before)
     d = lambda t: None if t is None else t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu, state_v_first=True)
@@ -968,16 +985,23 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     with torch.no_grad():
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu)
-        assert fwd._segment_chunks(fwd.seqlayout.sequence_layout(cu), HV, q.device)  # segments are cut
+        layout = fwd.seqlayout.sequence_layout(cu)
+        seg = fwd._segment_chunks(layout, HV, q.device)
+        assert seg  # segments are cut
         got = {}
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
         o2, ht2, _ = fwd.forward(problem, inputs)
         assert got["context_parallel"] == route
-        if settled == "mixed":   # the weak heads need every hand-over, the others none
-            need = got["transitions_needed"]
-            assert need[:, 0::2].sum() == 0 and need[:-1, 1::2].min() == 1
-        elif route in ("gated", "chained"):
+        if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
+        if route == "chained":   # decaying heads walk one chunk, barely decaying ones to the sequence's start
+            walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before
+            short = walk == before.clamp_max(1)[:, None]
+            whole = walk == before[:, None]
+            if settled == "mixed":
+                assert short[:, 0::2].all() and whole[:, 1::2].all()
+            else:
+                assert (short if settled else whole).all()
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                    output_final_state=True, cu_seqlens=cu)

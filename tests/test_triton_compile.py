@@ -27,7 +27,7 @@ CAPABILITIES = (80, 90)
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0", "warm"}
-INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need"}
+INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk"}
 # tilelang_sm90's warm-up flags (warmup_bound.py): int64 segment tables, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out"}
 INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride"}
@@ -55,6 +55,8 @@ KERNELS = {
     # tilelang_sm90's warm-up flags run in Triton too (warmup_bound.py), at a grouped head count
     "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
+    "warmup_walks": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_walks_kernel",
+                     dict(HV=8, HVP=8, BM=64, REVERSE=True, LOG_BOUND=-12.0)),
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
                      dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
 }

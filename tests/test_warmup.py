@@ -1,7 +1,7 @@
 """The warm-ups of the sm90 context parallelism (backends/tilelang_sm90/warmup.py), in float64 on a CPU: where
 the device flags a segment's fixed warm-up as settled, its initial state from those chunks run from zero is
-within e^LOG_BOUND of the exact one (exact where it reaches the sequence's start); the flags against their
-definition; the warm-up launch's gathers."""
+within e^LOG_BOUND of the exact one (exact where it reaches the sequence's start); the flags and the chained
+route's walk lengths against their definitions; the warm-up launch's gathers."""
 from __future__ import annotations
 
 import math
@@ -125,6 +125,40 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
         want[j + 1 if reverse else j - 1] = unsettled.to(torch.int32)
     got = warmup.transitions_needed(t, g, k, beta, window, reverse)
     assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9 * CHUNK), min_size=1, max_size=3), seg=st.integers(1, 3),
+       heads=st.sampled_from([(1, 1), (1, 3), (2, 4)]), K=st.sampled_from([8, 24]),
+       rate=st.sampled_from([1e-3, 0.01, 0.05, 0.3, 1.0]), beta_max=st.sampled_from([1.0, 2.0]),
+       reverse=st.booleans(), seed=st.integers(0, 2**16))
+# a sequence of 70 chunks cut every chunk: walks past the kernel's first block of 64 chunk sums
+@example(lengths=[70 * CHUNK], seg=1, heads=(1, 3), K=8, rate=0.01, beta_max=1.0, reverse=False, seed=0)
+@example(lengths=[70 * CHUNK], seg=1, heads=(1, 3), K=8, rate=0.01, beta_max=1.0, reverse=True, seed=0)
+def test_walks_match_their_definition(lengths, seg, heads, K, rate, beta_max, reverse, seed):
+    """warmup.walk_lengths (the chained route's walks): per segment j and value head, the fewest whole chunks
+    next to it (before it; after it with reverse, a tail counting) whose bound summed nearest first is <=
+    LOG_BOUND, or all the chunks to the sequence's boundary; 0 where there are none. Against the bound in
+    PyTorch."""
+    t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)
+    log_b = _log_norm_bound(g, k, beta)
+    want = torch.zeros(t.starts.shape[0], heads[1], dtype=torch.int32)
+    for j in range(t.starts.shape[0]):
+        avail = (t.after_host if reverse else t.before_host)[j]
+        for hv in range(heads[1]):
+            total, m = 0.0, avail
+            for i in range(avail):
+                if reverse:
+                    lo, hi = t.ends_host[j] + CHUNK * i, min(t.ends_host[j] + CHUNK * (i + 1), t.seq_ends_host[j])
+                else:
+                    lo, hi = t.starts_host[j] - CHUNK * (i + 1), t.starts_host[j] - CHUNK * i
+                total += float(log_b[lo:hi, hv].sum())
+                if total <= warmup.LOG_BOUND:
+                    m = i + 1
+                    break
+            want[j, hv] = m
+    got = warmup.walk_lengths(t, g, k, beta, reverse)
+    assert got.dtype == torch.int32 and torch.equal(got, want), (got, want)
 
 
 def test_launch_gathers_each_warmup_as_its_own_sequence():

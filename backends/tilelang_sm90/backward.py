@@ -11,11 +11,12 @@ then the options' prologue undone (gdnkit.prologue). GVA's sums of dq / dk happe
 head order (bitwise repeatable; no float atomics anywhere). backends/reference/chunked_backward.py
 is the definition every stage is checked against.
 
-Context parallelism (few long sequences): the forward's segments, each segment's dS_end from a fixed warm-up
-over the chunks after it (warmup.py, the same norm bound as the forward's), checked on the device per (segment,
-head); where it left a pair unsettled, by the forward's rule (_segments), either exactly (the forward's
-propagator gives each segment's transition, a reverse segment scan the dS_ends: _gated_ds_ends) or by the
-reverse pass walking forward over the segments after it (the chained route); then the reverse pass per segment. Where both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
+Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
+dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's), checked
+on the device per (segment, head), and exactly where it left a pair unsettled (the forward's propagator gives
+each segment's transition, a reverse segment scan the dS_ends: _gated_ds_ends); then the reverse pass per
+segment. Chained: the reverse pass per segment walks forward first, as far as the bound needs per head. Where
+both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, warmup
 from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
-                      open_gate, propagator_kernel)
+                      no_walks, open_gate, propagator_kernel)
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -88,7 +89,7 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch, need=None
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
     backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, placeholder, *scratch, f,
-        float(problem.scale), gate, gate)
+        float(problem.scale), gate, *_no_walks(dev, HV))
     return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
                                            f=f, need=need, warm=warm)
 
@@ -107,25 +108,24 @@ def _reverse_runner(problem: Problem, s: Saved, do):
         kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
                                        _plan_block_v(len(w.segments), HV, dev))
         kernel(qw, kw, aw, dow, s.gamma[:, w.chunk_rows].contiguous(), w.cu_seqlens, w.chunk_offsets, init,
-               *scratch, dh_w, states, float(problem.scale), open_gate(dev, HV), open_gate(dev, HV))
+               *scratch, dh_w, states, float(problem.scale), open_gate(dev, HV), *_no_walks(dev, HV))
         return states
     return run
 
 
-def _warm_ds_ends(problem: Problem, s: Saved, plan, do, dht):
-    """(dS_end of every segment by the fixed reverse warm-up over min(window, available) chunks after it (the
-    plan's gated[1]), the device's flags of the (segment, head) pairs whose predecessor it left outside the
-    bound (warmup.transitions_needed, reverse))."""
-    need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
-    warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), do.device,
-                             _reverse_runner(problem, s, do))
-    return warm, need
+def _no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reverse pass's walk arguments where it does not walk (never read)."""
+    walk, bound = no_walks(device, HV)
+    return walk, bound, bound
 
 
 def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> torch.Tensor:
-    """dS_end of every segment, graph-safe: the fixed reverse warm-up (_warm_ds_ends) and the exact route behind
-    it, run only for the (segment, head) pairs it flagged."""
-    warm, need = _warm_ds_ends(problem, s, plan, do, dht)
+    """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks after
+    each segment (the plan's gated[1]), and the exact route behind it, run only for the (segment, head) pairs
+    whose predecessor that warm-up left outside the bound (warmup.transitions_needed, reverse)."""
+    need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
+    warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), do.device,
+                             _reverse_runner(problem, s, do))
     return _exact_ds_ends(problem, s, plan, do, dht, scratch, need, warm)[0]
 
 
@@ -186,16 +186,19 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, block_v)
         kernel(s.q, s.k, s.a, do, s.gamma, layout.cu_seqlens, layout.chunk_offsets,
                placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
-               float(problem.scale), open_gate(dev, HV), open_gate(dev, HV))
+               float(problem.scale), open_gate(dev, HV), *_no_walks(dev, HV))
     else:
-        # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, exactly, or
-        # the gated pair of both; chained: the warm-up's, walked forward from by the pass below where unsettled),
-        # then the reverse pass per segment from those
+        # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, exactly, or the
+        # gated pair of both), then the reverse pass per segment from those; chained: the pass over segments
+        # walks forward as far as each (segment, head) needs (warmup.walk_lengths), from the sequence's dht where
+        # it reaches the sequence's end
         plan, route = plan
         n_seg = plan.segments.n_seg
-        need = None
+        walks = None
         if route == "chained":
-            (ds_end, need), dh0 = _warm_ds_ends(problem, s, plan, do, dht), None
+            w = plan.walks
+            walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True), w.after, w.seq_end)
+            ds_end, dh0 = None if dht is None else dht.index_select(0, w.seq_of), None
         elif route == "gated":
             ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht, (du, dv, dh)), None
         else:
@@ -203,10 +206,12 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
         # dh0 from the pass over segments (each sequence's first segment) where the route gave none
         dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
             if store_dh0 and dh0 is None else None
-        kernel = backward_state_kernel(H, HV, dt, True, dh0_seg is not None, block_v, need is not None)
-        kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, ds_end, du, dv, dh,
+        kernel = backward_state_kernel(H, HV, dt, ds_end is not None, dh0_seg is not None, block_v,
+                                       walks is not None)
+        kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets,
+               placeholder if ds_end is None else ds_end, du, dv, dh,
                placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev, HV),
-               open_gate(dev, HV) if need is None else need)
+               *(walks or _no_walks(dev, HV)))
         if dh0_seg is not None:  # each sequence's first segment; a sequence without tokens passes dht through
             dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
             empty = [n for n, length in enumerate(layout.lengths) if length == 0]

@@ -17,11 +17,11 @@ is backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
 Barriers (as in state_output_ws.py): loaded / freed per stage (freed: chain + side, 256 arrivals), and
 side_ready / side_free per hand-over slot (i % 2).
 
-chained (context parallelism's chained route, backward.py): the programs run over segments, and where the
-device flags say a segment's dS_end was left unsettled by its warm-up (need[j, hv] = 1: segment j - 1 needs
-segment j's dS at its start), the program walks forward to the nearest segment whose dS_end is settled and runs
-the chain from there back, storing nothing for the chunks it walked (another program's) before its own chunks,
-as the forward's state pass walks back (state_output_ws.py). dht holds every segment's dS_end from the warm-up.
+chained (context parallelism's chained route, backward.py): the programs run over segments, and each first walks
+walk[n, hv] chunks after its segment, from the last back, storing nothing (another program's dS_end, dU, dX) --
+as many as the decay bound needs (warmup.walk_lengths, reverse), from a zero dS, or from the sequence's dht where
+the walk reaches the sequence's end (walk == after[n]: exact; the walk then ends at seq_end[n], a tail chunk
+included) -- as the forward's state pass walks back (state_output_ws.py). dht is per segment: its sequence's.
 
 Rows past a sequence's end: the side warpgroup zeroes them in all three hand-over tiles, so dU's rows there
 are zero; Tb's rows there still reach dX through Tb^T dU (times zero), which is why the forward writes Tb
@@ -41,15 +41,14 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bool = False,
                            store_dh0: bool = False, block_v: int = 64, stages: int = 2, chained: bool = False,
                            K: int = 128, V: int = 128):
-    """chained (needs has_dht): `need` [num_need >= num_seqs, HV] int32 is read (module docstring); otherwise it is
-    a placeholder the kernel never touches."""
+    """chained: `walk` [num_walk >= num_seqs, HV], `after` and `seq_end` [num_walk] int32 are read (module
+    docstring); otherwise they are placeholders the kernel never touches."""
     C = CHUNK
     BV = block_v
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     GROUP = HV // H
-    assert has_dht or not chained, "a chained run starts from its walk's warm dS_end"
 
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
@@ -57,7 +56,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
     num_gates = T.dynamic("num_gates")
-    num_need = T.dynamic("num_need")
+    num_walk = T.dynamic("num_walk")
 
     @T.prim_func
     def gdn_backward_state(
@@ -75,24 +74,23 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
         dh0: T.Tensor((num_dh0, HV, K, V), accum),
         scale: T.float32,
         gate: T.Tensor((num_gates, HV), "int32"),   # 0: nothing to do (the gated route's flags, backward.py)
-        need: T.Tensor((num_need, HV), "int32"),
+        walk: T.Tensor((num_walk, HV), "int32"),
+        after: T.Tensor((num_walk,), "int32"),
+        seq_end: T.Tensor((num_walk,), "int32"),
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
             v0 = bv * BV
             bos, eos_own, n_own, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
-            # the run, walked from its last chunk back: the program's own n_own chunks, after `post` chunks of the
-            # segments up to `last` (chained; all whole but a sequence's tail), ending at token eos
+            # the run, walked from its last chunk back: the program's own n_own chunks, after `post` chunks walked
+            # (chained; all whole but a sequence's tail, reached only by an exact walk), ending at token eos
             if chained:
-                last = T.alloc_var("int32", init=num_seqs - 1)  # before the first settled hand-over after n
-                for d in T.serial(num_seqs - 1 - n):
-                    if need[num_seqs - 1 - d, hv] == 0:
-                        last = num_seqs - 2 - d
-                eos = cu_seqlens[last + 1]
-                n_chunks = chunk_offsets[last + 1] - c0
-                post = n_chunks - n_own
+                post = walk[n, hv]
+                exact = post == after[n]   # the walk reaches the sequence's end: from dht
+                eos = T.if_then_else(exact, seq_end[n], eos_own + post * C)
+                n_chunks = n_own + post
             else:
-                last, eos, n_chunks, post = n, eos_own, n_own, 0
+                eos, n_chunks, post, exact = eos_own, n_own, 0, True
 
             # stage tiles (TMA destinations)
             q_s = T.alloc_shared((stages, C, K), dtype)
@@ -142,8 +140,13 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                 elif tx < 256:
                     # ---- chain ----
                     T.set_max_nreg(232, 1)
-                    if has_dht:
-                        T.copy(dht[last, hv, 0:K, v0:v0 + BV], dS)
+                    if has_dht and chained:
+                        if exact:
+                            T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
+                        else:
+                            T.clear(dS)
+                    elif has_dht:
+                        T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
                     else:
                         T.clear(dS)
                     for i in T.serial(n_chunks):

@@ -7,7 +7,7 @@ state (ALGORITHM.md section 4), found by one of these routes:
 
     warm-up (warmup.py): where the gates decay, a few chunks before each segment run from a zero state give
         its initial state within e^-12 of the state's size (exact where they reach the sequence's start);
-        a gather and one short launch of the state kernel. Every route but the exact one starts with it.
+        a gather and one short launch of the state kernel. The gated route starts with it.
     exact: every segment's transition S_end = P S_0 + E as [E | P] (TileLang, propagator.py), then a scan
         over each sequence's segments (triton_generic's segment scan, ~0.02 ms at 2/8 1x32768). It costs
         ~1.3 output passes, so it is taken only where it pays (exact_route_pays): alone where WARMUP_ROUTE is
@@ -16,12 +16,11 @@ state (ALGORITHM.md section 4), found by one of these routes:
         launched behind it but run only for the (segment, head) pairs whose successor the warm-up left outside
         the bound, flagged on the device; the scan takes the warm state or the transition's per pair
         (forward._initial_states); no host read, so a CUDA graph captures it whatever the flags.
-    chained (the forward, where the exact route does not pay): the same fixed warm-up and flags; the output
-        pass over segments takes the flags, and a program whose start is unsettled walks back to the nearest
-        settled segment and runs the chain from there (state_output_ws.py): never slower than no segments
-        (plus the warm-up), no host read.
-    warm-up lengths read back (the backward, where the exact route does not pay): warm-ups as long as each
-        segment needs, up to half a segment, or no segments; eager only (backward.py).
+    chained (where the exact route does not pay): no separate warm-up; the pass over segments (forward and
+        reverse) reads, per (segment, head), how many chunks next to the segment the bound needs (warmup.
+        walk_lengths, one search on the device), and each program walks those chunks from zero, state only,
+        before its own (from h0 / dht where the walk reaches the sequence's boundary: exact): a segment never
+        costs more than its sequence without segments, and nothing is read back.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -95,12 +94,22 @@ def available() -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class Walks:
+    """Per segment, on the device, what the chained route's kernels read beside the walk lengths."""
+    before: torch.Tensor             # [n_seg] int32: whole chunks between its sequence's start and it
+    after: torch.Tensor              # [n_seg] int32: chunks between it and its sequence's end (a tail counts)
+    seq_end: torch.Tensor            # [n_seg] int32: the token after its sequence's last
+    seq_of: torch.Tensor             # [n_seg] int64: its sequence (gathers h0 / dht per segment)
+
+
+@dataclasses.dataclass(frozen=True)
 class SegmentPlan:
     segments: object                 # triton_generic.context_parallel.Segments
     chunk_offsets: torch.Tensor      # [n_seg + 1] int32: chunk-table row of each segment's first chunk
     warmup: warmup.WarmupTables      # what the warm-up routes need (warmup.py)
     window: int                      # the gated route's warm-up length in chunks (warmup.window)
     gated: tuple                     # its launches (warmup.WarmupRun): forward, reverse (the backward's)
+    walks: Walks                     # the chained route's segment tables
 
 
 @functools.lru_cache(maxsize=32)
@@ -117,7 +126,10 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
     # not even a training call captured after an inference-only first call
     window = warmup.window(seg)
     gated = tuple(warmup.fixed_warmup(tables, window, dev, reverse) for reverse in (False, True))
-    return SegmentPlan(segments, chunk_offsets, tables, window, gated)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+    walks = Walks(i32(tables.before_host), i32(tables.after_host), i32(tables.seq_ends_host),
+                  torch.tensor(tables.seq_of, dtype=torch.int64, device=dev))
+    return SegmentPlan(segments, chunk_offsets, tables, window, gated, walks)
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,

@@ -80,26 +80,30 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
 
 
 def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates):
-    """(every segment's initial state [n_seg, HV, K, V] fp32, the route, the chained route's flags or None), or
-    (None, None, None) for no segments. Both warm-up routes run a warm-up of fixed length for every segment and
-    flag on the device the (segment, head) pairs whose successor it left outside the bound: nothing is read back,
-    so CUDA graphs capture either. Where the exact route pays (context_parallel.exact_route_pays): the gated
-    route, the exact route's kernels launched behind the warm-up and run only for the flagged pairs (the segment
-    scan takes each warm state or the transition's). Elsewhere the chained route: the output pass over segments
-    takes the flags, and a program whose start is unsettled walks back to the nearest settled one
-    (state_output_ws.py)."""
+    """(the segments' initial states, the route, the chained route's walks or None), or (None, None, None) for
+    no segments; nothing is read back, so CUDA graphs capture every route. Where the exact route pays
+    (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length for every segment, the
+    device's flags of the (segment, head) pairs it left outside the bound, and the exact route's kernels launched
+    behind it and run only for those (the segment scan takes each warm state or the transition's); the initial
+    states are [n_seg, HV, K, V] fp32. Elsewhere the chained route: the walks (warmup.walk_lengths) go to the
+    pass over segments, whose programs warm up inline (state_output_ws.py); the initial states are each segment's
+    sequence's h0 (None without one), for walks that reach the sequence's start."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
     pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
-    if not pays and (not context_parallel.WARMUP_ROUTE or (BLOCK_V or WS_BLOCK_V[0]) not in WS_BLOCK_V):
-        return None, None, None  # the chained route needs the warm-up and the kernel that walks back
+    if not pays:
+        if not context_parallel.WARMUP_ROUTE or (BLOCK_V or WS_BLOCK_V[0]) not in WS_BLOCK_V:
+            return None, None, None  # the chained route needs the decay bound and the kernel that walks
+        walk = warmup.walk_lengths(plan.warmup, g, k, beta)
+        if intermediates is not None:
+            intermediates.update(walk_lengths=walk)
+        init = None if h0 is None else h0.index_select(0, plan.walks.seq_of)
+        return init, "chained", (walk, plan.walks.before)
     if context_parallel.WARMUP_ROUTE:
         warm = warmup.run_states(plan.gated[0], h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
         need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window)
         if intermediates is not None:
             intermediates.update(transitions_needed=need)
-        if not pays:
-            return warm, "chained", need
         gate, route = need, "gated"
     else:
         warm, need, gate, route = None, None, open_gate(dev, HV), "exact"
@@ -114,6 +118,12 @@ def open_gate(device: torch.device, HV: int) -> torch.Tensor:
     """The gate of the propagator and the reverse pass where no warm-up decides: one row of ones, every CTA runs
     (never written)."""
     return torch.ones(1, HV, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk arguments of a pass that does not walk (never read): one row of [HV] and one of [1], int32."""
+    return torch.zeros(1, HV, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _warmup_runner(problem: Problem, k, a, v, gamma):
@@ -185,7 +195,8 @@ class StateLaunch:
     chunk_offsets: torch.Tensor
     init: torch.Tensor | None     # [n, HV, K, V] fp32: h0, the segments' initial states, or None (zero)
     n: int                        # sequences or segments
-    need: torch.Tensor | None = None  # the chained route's flags [n, HV] int32 (state_output_ws.py)
+    # the chained route's walks: (chunks each (segment, head) walks back [n, HV], chunks before each segment [n])
+    walk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs,
@@ -201,14 +212,14 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     emit = o is not None or block_v not in WS_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
-    chained = launch.need is not None
+    chained = launch.walk is not None
     kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
                                  block_v, hs is not None, emit, chained)
     args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
             placeholder if launch.init is None else launch.init, o if emit else stub,
             placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
-    if block_v in WS_BLOCK_V:  # the three-warpgroup kernel also takes the chained route's flags
-        args += (launch.need if chained else open_gate(dev, HV),)
+    if block_v in WS_BLOCK_V:  # the three-warpgroup kernel also takes the chained route's walks
+        args += launch.walk if chained else no_walks(dev, HV)
     kernel(*args)
 
 
@@ -289,12 +300,12 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             # context parallelism: every segment's initial state (_initial_states), then the output pass over
             # segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            s0, route, need = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates)
+            s0, route, walk = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates)
         if route:
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
-            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg, need)
+            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg, walk)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0

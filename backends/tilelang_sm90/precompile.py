@@ -36,18 +36,18 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
 
     flags = (False, True)
     jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False))]
-    # the last flag: chained (context parallelism's chained route; always from the warm-up's initial states)
+    # the last flag: chained (context parallelism's chained route)
     jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained))
-             for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags) if h0 or not chained]
+             for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
         jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True)))
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained))
-                 for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags) if h0 or not chained]  # recompute
+                 for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags)]  # recompute
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES
-                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags) if h0 or not chained]
+                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
         jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained))
-                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags) if dht or not chained]
+                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
         # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
         jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]
     return jobs

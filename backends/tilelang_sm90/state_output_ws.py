@@ -24,13 +24,13 @@ Barriers (slot s = i % STAGES for the loads, i % 2 for the hand-over; phase pari
     su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
 A wait for a "free" barrier uses the flipped parity, so the first round passes at once.
 
-chained (context parallelism's chained route, forward.py): the programs run over segments, and where the
-device flags say a segment's warm-up left a head unsettled (need[j, hv] = 1: segment j + 1 needs segment j's
-end state), the program walks back to the nearest segment whose start is settled and runs the chain from
-there, state only (no output, no hand-over, no S0 stores), before its own chunks. An unsettled start then costs
-the chunks walked back -- no more than the sequence without segments -- and needs nothing from another program
-(no flags between CTAs, so no co-residency or launch-order assumption). Every segment's initial state comes in
-h0 (warm-up states; a sequence's first segment its exact h0), read at the walk's first segment.
+chained (context parallelism's chained route, forward.py): the programs run over segments, and each first walks
+back walk[n, hv] chunks before its segment, state only (no Q loads, no output, no hand-over, no S0 stores), from
+a zero state -- as many chunks as the decay bound needs for that head (warmup.walk_lengths), so the state at the
+segment's start is within e^-12 of the true one -- or from the sequence's h0 where the walk reaches the
+sequence's start (walk == before[n]: exact). A segment costs its own chunks plus its longest head's walk, never
+more than the sequence without segments, and needs nothing from another program (no flags between CTAs, so no
+co-residency or launch-order assumption). h0 is per segment: its sequence's initial state.
 
 Same grid and contract as state_output.py (forward.py picks one by V tile), so the signature repeats that
 kernel's (TileLang prim_func signatures cannot be shared) and the per-program bounds come from its
@@ -60,15 +60,14 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     is a 1-element placeholder the kernel never touches.
     emit_output=False (the backward's recompute of S0, with store_states): no O, so no Q loads, no U hand-over
     and no output products; the third warpgroup only stores S0, and `o` is a 1-element placeholder.
-    chained (needs has_initial_state): `need` [num_need >= num_seqs, HV] int32 is read (module docstring);
-    otherwise it is a placeholder the kernel never touches."""
+    chained: `walk` [num_walk >= num_seqs, HV] and `before` [num_walk] int32 are read (module docstring);
+    otherwise they are placeholders the kernel never touches."""
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     assert emit_output or store_states, "a pass that writes neither O nor S0"
-    assert has_initial_state or not chained, "a chained run starts from its walk's warm-up state"
     SLOTS = 2                                          # S/U hand-over slots
     PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
@@ -78,7 +77,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")
     num_ht = T.dynamic("num_ht")
-    num_need = T.dynamic("num_need")
+    num_walk = T.dynamic("num_walk")
     HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
     O_SHAPE = (1, num_tokens, HV, V) if emit_output else (1, 1, 1, 1)
 
@@ -96,7 +95,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
         hs: T.Tensor(HS_SHAPE, dtype),
-        need: T.Tensor((num_need, HV), "int32"),
+        walk: T.Tensor((num_walk, HV), "int32"),
+        before: T.Tensor((num_walk,), "int32"),
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
             hk = hv // GROUP
@@ -106,15 +106,12 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             # sequence), then the program's own n_chunks. Chunk i of the run starts at token bos_run + i * C and
             # is row c0_run + i of the chunk table; its own index is i - pre.
             if chained:
-                start = T.alloc_var("int32", init=0)  # the walk's first segment: after the last settled hand-over
-                for j in T.serial(n):
-                    if need[j, hv] == 0:
-                        start = j + 1
-                bos_run = cu_seqlens[start]
-                c0_run = chunk_offsets[start]
-                pre = c0 - c0_run
+                pre = walk[n, hv]
+                exact = pre == before[n]   # the walk starts at the sequence's start: from h0
             else:
-                start, bos_run, c0_run, pre = n, bos, c0, 0
+                pre, exact = 0, True
+            bos_run = bos - pre * C
+            c0_run = c0 - pre
 
             # stage tiles (TMA destinations)
             if emit_output:
@@ -170,8 +167,13 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             elif tx < 256:
                 # ---- state chain ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
-                if has_initial_state:
-                    T.copy(h0[start, hv, 0:K, v0:v0 + BV], S)
+                if has_initial_state and chained:
+                    if exact:
+                        T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
+                    else:
+                        T.clear(S)
+                elif has_initial_state:
+                    T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
                 else:
                     T.clear(S)
                 for i in T.serial(pre + n_chunks):

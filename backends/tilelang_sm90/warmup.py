@@ -140,6 +140,17 @@ def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: 
     return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
 
 
+def walk_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                 reverse: bool = False) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device: per segment and value head, the fewest whole chunks before the segment
+    (after it with reverse) whose bound is <= LOG_BOUND -- run from zero, they give the segment's initial state
+    (dS_end) within e^LOG_BOUND -- or all of them to the sequence's start (end): then exact, from h0 (dht). The
+    chained route's walks (state_output_ws.py, backward_state.py); nothing is read back."""
+    from .warmup_bound import walk_lengths as search
+    longest = max(t.after_host if reverse else t.before_host, default=0)
+    return search(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, longest, reverse, LOG_BOUND)
+
+
 def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,
                run) -> torch.Tensor:
     """Every segment's state at its warm-up end [n_seg, HV, K, V] fp32 -- the forward's initial states (the

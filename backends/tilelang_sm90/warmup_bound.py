@@ -1,10 +1,13 @@
-"""warmup.transitions_needed in two Triton launches: per (segment, value head), whether a warm-up of fixed length
-(warmup.fixed_warmup) brings the summed norm bound below LOG_BOUND (warmup.py says why that bound suffices), and
-the flag of the segment whose transition is needed where it does not.
+"""The decay bound's tests on the device (warmup.py says why the bound suffices), each in two Triton launches:
+warmup.transitions_needed, per (segment, value head) whether a warm-up of fixed length (warmup.fixed_warmup)
+brings the summed norm bound below LOG_BOUND, and the flag of the segment whose transition is needed where it
+does not; warmup.walk_lengths, per (segment, value head) the fewest chunks next to the segment that do, or all of
+them to the sequence's boundary (the chained route's walks).
 
-    1. chunk sums, one program per (segment, window chunk, key head): the chunk's 64 tokens at once, the bound's
-       log summed per value head of the key head's group (float64) into sums [n_seg, window, HV];
-    2. the flags, one program per segment: the window's sums added, the test per head, one store.
+    1. chunk sums, one program per (segment, chunk of its window, key head): the chunk's 64 tokens at once, the
+       bound's log summed per value head of the key head's group (float64) into sums [n_seg, window, HV];
+    2. one program per segment: the window's sums added, the test per head (the flags), or running sums over
+       blocks of 64 chunks, nearest first, and the first count that settles each head (the walks).
 
 History (H200, session 10): one program per segment walking its window 16 tokens and one key head at a time cost
 0.13-0.40 ms a call (4/8 1x8192 to 16/32 1x32768, eager), latency-bound: ~16 dependent small loads per chunk and
@@ -76,6 +79,29 @@ def _needs_kernel(sums, before, after, need, window, stride, HV: tl.constexpr, H
     tl.store(need + src * HV + hv, tl.where(unsettled, 1, 0).to(tl.int32), mask=mh & has_src)
 
 
+@triton.jit
+def _walks_kernel(sums, before, after, walk, stride, HV: tl.constexpr, HVP: tl.constexpr, BM: tl.constexpr,
+                  REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
+    """walk[j, hv]: the first m in 1 .. avail whose running sum of segment j's chunk sums (nearest first) is <=
+    LOG_BOUND for head hv, else avail (the walk reaches the sequence's boundary: exact); 0 where avail is 0.
+    sums: [n_seg, stride, HV] with stride >= avail."""
+    j = tl.program_id(0).to(tl.int64)
+    hv = tl.arange(0, HVP)
+    mh = hv < HV
+    avail = tl.load(after + j) if REVERSE else tl.load(before + j)
+    carry = tl.zeros([HVP], dtype=tl.float64)
+    first = tl.zeros([HVP], dtype=tl.int64) + avail       # until a block settles the head
+    for m0 in range(0, avail, BM):
+        mm = m0 + tl.arange(0, BM).to(tl.int64)
+        inside = (mm < avail)[:, None] & mh[None, :]
+        blk = tl.load(sums + (j * stride + mm[:, None]) * HV + hv[None, :], mask=inside, other=0.0)
+        run = tl.cumsum(blk, 0) + carry[None, :]
+        hit = tl.min(tl.where(inside & (run <= LOG_BOUND), mm[:, None] + 1, avail), 0)
+        first = tl.minimum(first, hit)
+        carry += tl.sum(blk, 0)
+    tl.store(walk + j * HV + hv, first.to(tl.int32), mask=mh)
+
+
 def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse: bool) -> torch.Tensor:
     """[n_seg, max(limit, 1), HV] float64: the bound's log summed per chunk of each segment's window of `limit`
     chunks."""
@@ -104,3 +130,17 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
         _needs_kernel[(n_seg,)](sums, before, after, need, window, sums.shape[1], HV=HV,
                                 HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
     return need
+
+
+def walk_lengths(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
+                 after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, longest: int,
+                 reverse: bool, log_bound: float) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract); `longest` >= every segment's chunks
+    available before it (after it with reverse), from the host tables."""
+    n_seg, HV = starts.shape[0], g.shape[2]
+    walk = torch.empty(n_seg, HV, dtype=torch.int32, device=g.device)
+    if n_seg:
+        sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, longest, reverse)
+        _walks_kernel[(n_seg,)](sums, before, after, walk, sums.shape[1], HV=HV, HVP=triton.next_power_of_2(HV),
+                                BM=64, REVERSE=reverse, LOG_BOUND=log_bound, num_warps=4)
+    return walk
