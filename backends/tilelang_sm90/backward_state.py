@@ -140,12 +140,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                 elif tx < 256:
                     # ---- chain ----
                     T.set_max_nreg(232, 1)
-                    if has_dht and chained:
-                        if exact:
-                            T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
-                        else:
-                            T.clear(dS)
-                    elif has_dht:
+                    if has_dht and exact:  # exact: a chained walk reaching the sequence's boundary, else always
                         T.copy(dht[n, hv, 0:K, v0:v0 + BV], dS)
                     else:
                         T.clear(dS)

@@ -167,12 +167,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             elif tx < 256:
                 # ---- state chain ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
-                if has_initial_state and chained:
-                    if exact:
-                        T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
-                    else:
-                        T.clear(S)
-                elif has_initial_state:
+                if has_initial_state and exact:  # exact: a chained walk reaching the sequence's boundary, else always
                     T.copy(h0[n, hv, 0:K, v0:v0 + BV], S)
                 else:
                     T.clear(S)
