@@ -994,14 +994,13 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         assert got["context_parallel"] == route
         if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
-        if route == "chained":   # decaying heads walk one chunk, barely decaying ones to the sequence's start
-            walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before
-            short = walk == before.clamp_max(1)[:, None]
-            whole = walk == before[:, None]
+        if route == "chained":   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
+            walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before[:, None]
+            short, far = walk == before.clamp_max(1), (walk > 1) | (before <= 1)
             if settled == "mixed":
-                assert short[:, 0::2].all() and whole[:, 1::2].all()
+                assert short[:, 0::2].all() and far[:, 1::2].all()
             else:
-                assert (short if settled else whole).all()
+                assert (short if settled else far).all()
         d = lambda t: t.double()  # noqa: E731
         p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                    output_final_state=True, cu_seqlens=cu)
@@ -1042,6 +1041,7 @@ def test_backward_state_matches_reference_chunked_backward():
     tl = _tilelang()
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import backward_state
+    from gdnkit.backends.tilelang_sm90.backward import _no_walks
     from gdnkit.backends.tilelang_sm90.forward import TARGET, forward, open_gate
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     from gdnkit import seqlayout
@@ -1065,7 +1065,7 @@ def test_backward_state_matches_reference_chunked_backward():
         dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
         dh0 = torch.full((1, HV, K, V), float("nan"), device=dev)
         kernel(q, k, got["a"], do, got["gamma"].reshape(HV, nc, 64), layout.cu_seqlens, layout.chunk_offsets, dht,
-               du, dv, dh, dh0, float(problem.scale), open_gate(q.device, HV), open_gate(q.device, HV))
+               du, dv, dh, dh0, float(problem.scale), open_gate(q.device, HV), *_no_walks(q.device, HV))
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
         ref = chunked_gdn_backward(rep(q), rep(k), v.double(), g.double(), beta.double(), problem.scale,
@@ -1115,7 +1115,7 @@ def test_chunk_grads_matches_reference_chunked_backward():
         bwd.backward_state_kernel(H, HV, dt, True, False, 64)(q, k, got["a"], do, gamma, layout.cu_seqlens,
                                                                layout.chunk_offsets, dht, du, dv, dh, stub,
                                                                float(problem.scale), bwd.open_gate(q.device, HV),
-                                                               bwd.open_gate(q.device, HV))
+                                                               *bwd._no_walks(q.device, HV))
         outs = [torch.full((1, T, H, K), float("nan"), device=dev) for _ in range(2)]
         outs += [torch.full((1, T, HV), float("nan"), device=dev) for _ in range(2)]
         bwd.chunk_grads_kernel(H, HV, dt, "float32")(q, k, v, do, du, dv, got["a"], got["tm"], gamma, beta, hs, dh,
