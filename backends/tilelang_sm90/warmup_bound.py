@@ -46,13 +46,16 @@ def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit
         inside = tok >= start - CHUNK * tl.load(before + j)
     tok = tl.minimum(tl.maximum(tok, 0), n_tok - 1)
     ck = tl.arange(0, KP)
-    kt = tl.load(k + (tok[:, None] * H + h) * K + ck[None, :], mask=(ck < K)[None, :], other=0.0).to(tl.float32)
+    # loads masked to the sequence too: the window is as long as the longest segment's (walk_lengths: all the
+    # chunks before the last segment), so most programs of the others read nothing
+    kt = tl.load(k + (tok[:, None] * H + h) * K + ck[None, :], mask=inside[:, None] & (ck < K)[None, :],
+                 other=0.0).to(tl.float32)
     kk = tl.sum(kt * kt, 1)
     gi = tl.arange(0, GP)
     mg = gi < GROUP
     hv = h * GROUP + gi
-    gg = tl.load(g + tok[:, None] * HV + hv[None, :], mask=mg[None, :], other=0.0).to(tl.float64)
-    bb = tl.load(beta + tok[:, None] * HV + hv[None, :], mask=mg[None, :], other=0.0).to(tl.float64)
+    gg = tl.load(g + tok[:, None] * HV + hv[None, :], mask=inside[:, None] & mg[None, :], other=0.0).to(tl.float64)
+    bb = tl.load(beta + tok[:, None] * HV + hv[None, :], mask=inside[:, None] & mg[None, :], other=0.0).to(tl.float64)
     stretch = tl.log(tl.maximum(tl.abs(1.0 - bb * kk.to(tl.float64)[:, None]), 1.0))
     s = tl.sum(tl.where(inside[:, None], gg + stretch, 0.0), 0)
     tl.store(sums + (j * limit + m) * HV + hv, s, mask=mg)
