@@ -19,8 +19,8 @@ makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session
   16/64 4096x8 1.673 / 1.536, 4x8192 1.666 / 1.542; 8/32 4096x8 0.842 / 0.775; 4/16 4096x8 0.424 / 0.389.
 Few long sequences also get context parallelism (context_parallel.py): segments whose initial states come
 from a short warm-up through the same state kernel where the gates decay (warmup.py), else from the TileLang
-propagator and a segment scan (the gated route), or from the state pass itself walking back over the segments
-before (the chained route).
+propagator and a segment scan (the gated route), or from the state pass itself, each program walking back over
+the chunks before its segment as far as the decay bound needs (the chained route).
 
 The API options not fused into the kernels yet (qk l2norm, in-kernel gate, beta sigmoid, state_v_first)
 run as a small PyTorch prologue/epilogue (gdnkit/prologue.py, whose backward backward.py uses).
@@ -193,7 +193,8 @@ class StateLaunch:
     from their initial states. The backward launches it again to recompute S0 per chunk."""
     cu_seqlens: torch.Tensor
     chunk_offsets: torch.Tensor
-    init: torch.Tensor | None     # [n, HV, K, V] fp32: h0, the segments' initial states, or None (zero)
+    init: torch.Tensor | None     # [n, HV, K, V] fp32: h0, the segments' initial states (chained: their
+                                  # sequences' h0, for walks that reach the start), or None (zero)
     n: int                        # sequences or segments
     # the chained route's walks: (chunks each (segment, head) walks back [n, HV], chunks before each segment [n])
     walk: tuple[torch.Tensor, torch.Tensor] | None = None
