@@ -105,8 +105,8 @@ def _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed):
 @example(lengths=[129], seg=1, window=1, heads=(1, 3), K=8, rate=1.0, beta_max=1.0, reverse=False, seed=0)
 @example(lengths=[129], seg=1, window=1, heads=(1, 3), K=8, rate=1.0, beta_max=1.0, reverse=True, seed=0)
 def test_needed_transitions_match_their_definition(lengths, seg, window, heads, K, rate, beta_max, reverse, seed):
-    """warmup.transitions_needed (the device flags of the gated and chained routes): per segment j and value
-    head, a warm-up of m = min(window, available) chunks is settled if m reaches the sequence's boundary or the bound summed over
+    """warmup.transitions_needed (the gated route's device flags): per segment j and value head, a warm-up of
+    m = min(window, available) chunks is settled if m reaches the sequence's boundary or the bound summed over
     those m chunks is <= LOG_BOUND; where it is not, the segment handing j its state (j - 1; j + 1 with reverse)
     is flagged. Against the bound in PyTorch; every other flag is 0."""
     t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)

@@ -69,7 +69,7 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     plan = context_parallel.plan_segments(s.layout, seg)
     if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
         return plan, "gated" if context_parallel.WARMUP_ROUTE else "exact"
-    if context_parallel.WARMUP_ROUTE and forward.BLOCK_V in (None,) + forward.WS_BLOCK_V:
+    if forward.chained_route_available():
         return plan, "chained"
     return None
 

@@ -49,9 +49,9 @@ MIN_SEGMENT_CHUNKS = 32
 # changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
 # 0.905 / 0.780 / 0.757; 8/32 1x32768 (128) 1.033 / 1.526 / 1.509. So 2: on at 64 programs, off at 128.
 SMS_PER_PROGRAM = 2
-# The warm-up routes cost a gather and a short launch instead of ~1.3 output passes, so segments pay with fewer
-# idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence); below
-# SMS_PER_PROGRAM the forward takes the chained route, the backward the warm-up with lengths read back.
+# The chained route costs each segment only the chunks its heads walk, not ~1.3 output passes, so segments pay
+# with fewer idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence); below
+# SMS_PER_PROGRAM the forward and the backward take the chained route.
 WARMUP_SMS_PER_PROGRAM = 1
 # False: always the exact route (tests of the propagator path)
 WARMUP_ROUTE = True
@@ -100,6 +100,8 @@ class Walks:
     after: torch.Tensor              # [n_seg] int32: chunks between it and its sequence's end (a tail counts)
     seq_end: torch.Tensor            # [n_seg] int32: the token after its sequence's last
     seq_of: torch.Tensor             # [n_seg] int64: its sequence (gathers h0 / dht per segment)
+    # (int32 copies of WarmupTables' int64 ones: the TileLang kernels take int32, the Triton search int64 for
+    # its token arithmetic)
 
 
 @dataclasses.dataclass(frozen=True)

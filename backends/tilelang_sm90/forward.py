@@ -92,8 +92,8 @@ def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem,
     dt = TORCH_TO_TL[problem.dtype]
     pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
     if not pays:
-        if not context_parallel.WARMUP_ROUTE or (BLOCK_V or WS_BLOCK_V[0]) not in WS_BLOCK_V:
-            return None, None, None  # the chained route needs the decay bound and the kernel that walks
+        if not chained_route_available():
+            return None, None, None
         walk = warmup.walk_lengths(plan.warmup, g, k, beta)
         if intermediates is not None:
             intermediates.update(walk_lengths=walk)
@@ -111,6 +111,12 @@ def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem,
     propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
     s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, need=need, warm=warm)
     return s0, route, None
+
+
+def chained_route_available() -> bool:
+    """Whether the chained route can run (forward and backward): it needs the decay bound (WARMUP_ROUTE) and a
+    three-warpgroup state pass to walk in (a 32- or 64-column tile: not BLOCK_V forced to 128)."""
+    return context_parallel.WARMUP_ROUTE and (BLOCK_V or WS_BLOCK_V[0]) in WS_BLOCK_V
 
 
 @functools.lru_cache(maxsize=16)

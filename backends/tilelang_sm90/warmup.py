@@ -11,9 +11,10 @@ starts from the sequence's initial state).
 The warm-up runs the forward's own state kernel on the gathered warm-up chunks, a fixed few per segment
 (fixed_warmup: FIRST_WINDOW chunks, or half a segment where that is less), so it costs a gather and a short
 launch, where the exact route (propagator.py + the segment scan) costs ~1.3 output passes. Whether it settled
-each (segment, head) is decided on the device (transitions_needed), and what covers the pairs it did not is
-the route's (context_parallel.py): the exact kernels gated per pair, or the state pass walking back over the
-segments before (chained). Nothing is read back, so CUDA graphs capture every route.
+each (segment, head) is decided on the device (transitions_needed), and the exact kernels run behind it for the
+pairs it did not (the gated route, context_parallel.py). The chained route runs no separate warm-up: its state
+passes walk, per (segment, head), as many chunks as the same bound needs (walk_lengths). Nothing is read back,
+so CUDA graphs capture every route.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
@@ -135,7 +136,7 @@ def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: 
                        reverse: bool = False) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because fixed_warmup(t, window)
     leaves, for that head, the segment it hands its state to (the next one; the previous one with reverse)
-    outside the bound; 0 elsewhere (the flags of the gated and chained routes: context_parallel.py)."""
+    outside the bound; 0 elsewhere (the gated route's flags: context_parallel.py)."""
     from .warmup_bound import transitions_needed as flags
     return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
 

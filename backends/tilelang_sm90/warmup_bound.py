@@ -124,8 +124,7 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
                        reverse: bool, log_bound: float) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a (segment, head)'s transition is needed because a warm-up of
     min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the bound
-    (warmup.transitions_needed's test, read by the gated route's exact kernels and the chained route's state
-    passes; nothing is read back)."""
+    (warmup.transitions_needed's test, read by the gated route's exact kernels; nothing is read back)."""
     n_seg, HV = starts.shape[0], g.shape[2]
     need = torch.zeros(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
