@@ -45,12 +45,13 @@ def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
     import tilelang
 
     from gdnkit.backends.tilelang_sm90 import (backward_state, chunk_grads, intra_chunk, propagator, state_output,
-                                               state_output_ws)
+                                               state_output_wide, state_output_ws)
     module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
                        "backward_state": (backward_state, backward_state.backward_state_program),
                        "chunk_grads": (chunk_grads, chunk_grads.chunk_grads_program),
                        "state_output": (state_output, state_output.state_output_program),
                        "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
+                       "state_output_wide": (state_output_wide, state_output_wide.state_output_wide_program),
                        "propagator": (propagator, propagator.propagator_program)}[kind]
     return tilelang.compile(program(H, HV, dtype, **options), target=SM90, pass_configs=module.PASS_CONFIGS)
 
@@ -143,6 +144,18 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
         src = _source("state_output", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
                       threads=fwd.PIPELINED_THREADS)
     _assert_hopper_paths(src)
+
+
+@pytest.mark.parametrize("H,HV,dtype,chained", [(2, 8, "bfloat16", True), (16, 64, "float16", False)])
+def test_state_output_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
+    """The 128-column three-role state pass (inference with enough programs, and the wide route's chained build):
+    Hopper paths, its shared memory within what a block may take, no barrier under a thread subset."""
+    _tilelang()
+    kernel = _kernel("state_output_wide", H, HV, dtype, has_initial_state=True, store_final_state=True,
+                     chained=chained)
+    src = kernel.get_kernel_source()
+    _assert_hopper_paths(src)
+    assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
 @pytest.mark.parametrize("H,HV,dtype", [(2, 8, "bfloat16"), (4, 16, "float16")])
@@ -952,12 +965,18 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     # 16-chunk segments, the exact route made not to pay: half the heads barely decay, so their programs walk
     # back to the sequence's start (up to 8 segments), the others start from their warm-up
     (2, 8, 8200, 16, "mixed", True, "chained", "mixed"),
-], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks"])
+    # inference's wide route: the chained route with one 128-column program per (segment, head), 4 and 16
+    # segments filling the SMs
+    (8, 32, 32768, None, 1.0, True, "wide", True),
+    (8, 32, 32768, None, 1e-3, True, "wide", False),
+    (2, 8, 65536 + 37, None, "mixed", True, "wide", "mixed"),
+], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
+        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
-    (gated and chained: whether the fixed warm-up settled every segment, as the device flagged); a second call
-    gives the same bits."""
+    (gated and chained: whether the fixed warm-up settled every segment, as the device flagged; wide: the chained
+    route in the 128-column state pass); a second call gives the same bits."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -969,6 +988,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segment_chunks)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", warmup_on)
+    monkeypatch.setattr(context_parallel, "WIDE_ROUTE", route == "wide")
     if route == "chained" and segment_chunks:
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     dev = "cuda"
@@ -986,15 +1006,15 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu)
         layout = fwd.seqlayout.sequence_layout(cu)
-        seg = fwd._segment_chunks(layout, HV, q.device)
-        assert seg  # segments are cut
+        seg, wide = fwd._segments(layout, HV, q.device, train=False)
+        assert seg and wide == (route == "wide")  # segments are cut
         got = {}
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
         o2, ht2, _ = fwd.forward(problem, inputs)
-        assert got["context_parallel"] == route
+        assert got["context_parallel"] == ("chained" if wide else route) and got["wide_segments"] == wide
         if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
-        if route == "chained":   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
+        if route in ("chained", "wide"):   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
             walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before[:, None]
             short, far = walk == before.clamp_max(1), (walk > 1) | (before <= 1)
             if settled == "mixed":
@@ -1030,6 +1050,30 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     # the exact route (propagator + scan) pays only from 2 SMs per narrowest program (8/32: 1.51 vs 1.03 ms)
     assert context_parallel.exact_route_pays(layout, HV, sms=132) == (4 * len(lengths) * HV * 2 <= 132)
 
+
+
+@pytest.mark.parametrize("H,HV,lengths,expected", [
+    (2, 8, [32768], 32),        # 16 segments x 8 heads: 128 programs of 128 columns for 132 SMs
+    (4, 16, [32768], 64),
+    (8, 32, [32768], 128),
+    (16, 64, [32768], 256),     # 2 segments
+    (2, 8, [4096] * 8, 32),     # 64 sequence-head pairs: each sequence in 2
+    (2, 8, [8192], None),       # 32-chunk segments leave 32 pairs: not enough for the wide pass
+    (16, 64, [2048], None),     # a segment would be the whole sequence
+    (4, 16, [4096] * 8, None),  # 128 pairs already fill 70% of the SMs: the wide pass without segments
+    (16, 64, [4096] * 8, None),
+])
+def test_wide_segment_rule(H, HV, lengths, expected, monkeypatch):
+    """Inference's wide route cuts segments so one 128-column program per (segment, head) fills the SMs."""
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    layout = seqlayout.sequence_layout(cu)
+    assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) == expected
+    assert context_parallel.wide_segment_chunks(layout, HV, sms=0, fill=0.7) is None   # off CUDA
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)   # forced segments keep the other routes
+    assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) is None
 
 @pytest.mark.gpu
 def test_backward_state_matches_reference_chunked_backward():

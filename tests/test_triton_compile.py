@@ -28,8 +28,9 @@ CAPABILITIES = (80, 90)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0", "warm"}
 INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk"}
-# tilelang_sm90's warm-up flags (warmup_bound.py): int64 segment tables, float64 sums, int scalars
-INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out"}
+# tilelang_sm90's warm-up flags (warmup_bound.py): int64 segment and row tables, int8 row flags, float64 sums, int
+# scalars
+INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base"}
 INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
@@ -55,6 +56,8 @@ KERNELS = {
     # tilelang_sm90's warm-up flags run in Triton too (warmup_bound.py), at a grouped head count
     "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
+    "warmup_row_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_row_bounds_kernel",
+                          dict(H=4, HV=8, K=128, GP=2, KP=128)),
     "warmup_walks": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_walks_kernel",
                      dict(HV=8, HVP=8, BM=64, REVERSE=True, LOG_BOUND=-12.0)),
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
@@ -81,6 +84,8 @@ def _signature(fn, constexprs: dict) -> dict:
             sig[name] = "i32"
         elif name in INT64_ARGS or name == "sums":
             sig[name] = "*i64" if name in INT64_ARGS else "*fp64"
+        elif name == "walked":
+            sig[name] = "*i8"
         elif name == "scale":
             sig[name] = "fp32"
         else:

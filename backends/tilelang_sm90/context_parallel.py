@@ -21,6 +21,8 @@ state (ALGORITHM.md section 4), found by one of these routes:
         walk_lengths, one search on the device), and each program walks those chunks from zero, state only,
         before its own (from h0 / dht where the walk reaches the sequence's boundary: exact): a segment never
         costs more than its sequence without segments, and nothing is read back.
+    wide (inference, before the others where it applies: wide_segment_chunks): the chained route with one
+        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -55,6 +57,8 @@ SMS_PER_PROGRAM = 2
 WARMUP_SMS_PER_PROGRAM = 1
 # False: always the exact route (tests of the propagator path)
 WARMUP_ROUTE = True
+# False: inference segments take the routes above at 32 / 64 columns, not the wide one (tests of those routes)
+WIDE_ROUTE = True
 
 
 def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
@@ -74,6 +78,25 @@ def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
     per_sequence = max(1, sms // (2 * len(layout.lengths) * HV))
     seg = max(MIN_SEGMENT_CHUNKS, math.ceil(longest / per_sequence))
     return seg if seg < longest else None
+
+
+def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) -> int | None:
+    """Chunks per segment for the wide route (forward.py, inference): the chained route with one 128-column
+    state-pass program per (segment, head), or None. Segments are cut where one program per (sequence, head)
+    fills less than `fill` of the SMs, as many per sequence as keep the (segment, head) pairs within one wave
+    (H200, session 12: the wide pass walks a chunk in ~2.7 us at 128 columns where the 64-column one needs ~2.0
+    us for half of it, and loads Q, K and Tb once per head); None where even those segments leave the pairs
+    short of `fill`. Forced SEGMENT_CHUNKS leaves segmenting to the other routes (their tests)."""
+    pairs = len(layout.lengths) * HV
+    if SEGMENT_CHUNKS is not None or sms == 0 or pairs >= fill * sms:
+        return None
+    per_sequence = sms // pairs
+    if per_sequence < 2:
+        return None
+    chunks = [-(-n // CHUNK) for n in layout.lengths]
+    seg = max(MIN_SEGMENT_CHUNKS, math.ceil(max(chunks, default=0) / per_sequence))
+    # sequences too short for segments that fill the SMs keep the other routes (the wide pass needs the pairs)
+    return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
 
 
 def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:

@@ -4,19 +4,21 @@
 
 Every call runs on the packed (varlen) form: a dense batch [B, T] is viewed as B sequences of T tokens
 packed into [1, B*T], so one build serves both. Kernels are compiled once per (H, HV, dtype, options) --
-options being initial/final state and the state pass's V tile (32/64, picked from N * HV against the
-SM count: at most two builds per key). Token count, sequence count and chunk count are symbolic
+options being initial/final state and the state pass's V tile (32 / 64 / 128, picked from N * HV against the
+SM count: at most three builds per key). Token count, sequence count and chunk count are symbolic
 (T.dynamic) in every kernel, and `scale` is a runtime argument.
 
 The intra kernel writes Tb = T diag(beta) (64 values per token and value head) and gamma; the state pass
 makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session 4: 16/64 1x32768 2.38 ->
-2.16 ms against writing W and U' and reading them back). It has two kernels, picked by the V tile:
-- BV = 32 / 64, the plan's: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so
-  chunk i's output overlaps chunk i + 1's state update.
-- BV = 128, forced only (BLOCK_V): state_output.py, one consumer pair on TileLang's pipeliner; its 128-wide
-  tile reads Q, K and Tb once per head. The plan took it for N * HV >= 70% of the SMs until the per-row
-  decays made the three-warpgroup kernel faster there too (H200, 2026-11-29, forward ms, BV 128 / 64):
-  16/64 4096x8 1.673 / 1.536, 4x8192 1.666 / 1.542; 8/32 4096x8 0.842 / 0.775; 4/16 4096x8 0.424 / 0.389.
+2.16 ms against writing W and U' and reading them back). Its kernels, picked by the V tile:
+- BV = 32 / 64: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so chunk i's
+  output overlaps chunk i + 1's state update. Training (S0 stores) and the chained route always run here.
+- BV = 128 for an inference pass with one program per (sequence, head) filling >= 70% of the SMs:
+  state_output_wide.py, split by product (owner of S, x making U = U' - W S, output + loads), which reads
+  Q, K and Tb once per head and keeps two products on the chain (H200, session 12, state pass ms, wide / BV 64:
+  16/64 4096x8 0.723 / 1.045, 8/32 0.365 / 0.524, 4/16 0.185 / 0.264; with 64 programs it loses: 2/8 4096x8
+  0.179 / 0.135 at BV 32, 16/64 1x32768 1.393 / 1.035).
+- BV = 128 forced (BLOCK_V) for training: state_output.py, one consumer pair on TileLang's pipeliner.
 Few long sequences also get context parallelism (context_parallel.py): segments whose initial states come
 from a short warm-up through the same state kernel where the gates decay (warmup.py), else from the TileLang
 propagator and a segment scan (the gated route), or from the state pass itself, each program walking back over
@@ -42,7 +44,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 # Launch settings of the state pass, for tuning from benchmarks.
-# V tile per program: None = plan from the SM count (_plan_block_v), or force 32 / 64 / 128 (tests).
+# V tile per program: None = plan from the SM count (_plan_state_block_v), or force 32 / 64 / 128 (tests).
 BLOCK_V = None
 WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output_ws.py)
 # its TMA ring depth per V tile (H200, run 3 of session 4, state kernel ms at 3 / 2 stages): 4/16 1x32768
@@ -79,7 +81,18 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
-def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates):
+def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, bool]:
+    """(chunks per segment or None, whether they take the wide route): inference takes the wide route where it
+    applies (context_parallel.wide_segment_chunks), everything else _segment_chunks' segments."""
+    if not train and context_parallel.WIDE_ROUTE and BLOCK_V is None and context_parallel.available() \
+            and chained_route_available():
+        seg = context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
+        if seg:
+            return seg, True
+    return _segment_chunks(layout, HV, device), False
+
+
+def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates, wide: bool):
     """(the segments' initial states, the route, the chained route's walks or None), or (None, None, None) for
     no segments; nothing is read back, so CUDA graphs capture every route. Where the exact route pays
     (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length for every segment, the
@@ -87,11 +100,11 @@ def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem,
     behind it and run only for those (the segment scan takes each warm state or the transition's); the initial
     states are [n_seg, HV, K, V] fp32. Elsewhere the chained route: the walks (warmup.walk_lengths) go to the
     pass over segments, whose programs warm up inline (state_output_ws.py); the initial states are each segment's
-    sequence's h0 (None without one), for walks that reach the sequence's start."""
+    sequence's h0 (None without one), for walks that reach the sequence's start. wide: the chained route always."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
     pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
-    if not pays:
+    if wide or not pays:
         if not chained_route_available():
             return None, None, None
         walk = warmup.walk_lengths(plan.warmup, g, k, beta)
@@ -145,10 +158,21 @@ def _warmup_runner(problem: Problem, k, a, v, gamma):
 
 
 def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
+    """The V tile of a pass over N sequences (or segments) whose kernels split V: 32 or 64 (the backward's reverse
+    pass and the forward's training / chained builds), or BLOCK_V where forced."""
     if BLOCK_V is not None:
         return BLOCK_V
     target = TARGET_SM_FRACTION * _sm_count_of(device)
     return 64 if 2 * N * HV >= target else 32
+
+
+def _plan_state_block_v(N: int, HV: int, device: torch.device, wide: bool) -> int:
+    """The forward state pass's V tile: all 128 columns (state_output_wide.py) where the pass may take it (wide:
+    it writes O and stores no S0) and one program per (sequence or segment, head) fills TARGET_SM_FRACTION of
+    the SMs, else _plan_block_v's."""
+    if BLOCK_V is None and wide and N * HV >= TARGET_SM_FRACTION * _sm_count_of(device):
+        return 128
+    return _plan_block_v(N, HV, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,7 +180,7 @@ def _jit():
     """The tilelang.jit wrappers, built on first use (importing this module needs no tilelang)."""
     import tilelang
 
-    from . import intra_chunk, propagator, state_output, state_output_ws
+    from . import intra_chunk, propagator, state_output, state_output_wide, state_output_ws
 
     def jit(module, program):
         return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
@@ -164,7 +188,8 @@ def _jit():
     return (jit(intra_chunk, intra_chunk.intra_chunk_program),
             jit(state_output, state_output.state_output_program),
             jit(state_output_ws, state_output_ws.state_output_program),
-            jit(propagator, propagator.propagator_program))
+            jit(propagator, propagator.propagator_program),
+            jit(state_output_wide, state_output_wide.state_output_wide_program))
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,13 +201,17 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
                         block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False):
-    """The state pass for a V tile: three warpgroups below 128 columns, the pipelined kernel at 128 (which always
-    writes O and does not walk back: no chained runs)."""
+    """The state pass for a V tile: three warpgroups below 128 columns; at 128 the wide kernel where no S0 is
+    stored, else the pipelined one (both always write O; the pipelined one walks nothing: no chained runs)."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
                          emit_output=emit_output, chained=chained)
-    assert emit_output and not chained, "the pipelined state pass always writes O and never walks back"
+    assert emit_output, "the 128-column state passes always write O"
+    if not store_states:
+        return _jit()[4](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
+                         chained=chained)
+    assert not chained, "the pipelined state pass never walks back"
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
 
@@ -215,7 +244,7 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     dev = k.device
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)               # a tensor argument never touched
-    block_v = block_v or _plan_block_v(launch.n, HV, dev)
+    block_v = block_v or _plan_state_block_v(launch.n, HV, dev, wide=o is not None and hs is None)
     emit = o is not None or block_v not in WS_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
@@ -225,7 +254,7 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
             placeholder if launch.init is None else launch.init, o if emit else stub,
             placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
-    if block_v in WS_BLOCK_V:  # the three-warpgroup kernel also takes the chained route's walks
+    if block_v in WS_BLOCK_V or hs is None:  # the three-warpgroup and wide kernels take the chained route's walks
         args += launch.walk if chained else no_walks(dev, HV)
     kernel(*args)
 
@@ -301,13 +330,13 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             if KEEP_STATES:
                 hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
         intra_chunk_kernel(H, HV, dt, train)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma, tm)
-        seg = _segment_chunks(layout, HV, dev)
+        seg, wide = _segments(layout, HV, dev, train)
         route = None
         if seg:
             # context parallelism: every segment's initial state (_initial_states), then the output pass over
             # segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            s0, route, walk = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates)
+            s0, route, walk = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates, wide)
         if route:
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
@@ -325,7 +354,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             states = StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht, hs)
         if intermediates is not None:
-            intermediates.update(a=a, gamma=gamma.reshape(HV, -1), context_parallel=route)
+            intermediates.update(a=a, gamma=gamma.reshape(HV, -1), context_parallel=route,
+                                 wide_segments=bool(route) and wide)
             if train:
                 intermediates.update(tm=tm)
 

@@ -29,7 +29,8 @@ class Job(NamedTuple):
 
 def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
     """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
-    without initial / final states at each V tile the plan picks, chained or not; the propagator), and with
+    without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
+    propagator), and with
     `training` the intra kernel that also writes T, the state pass that stores S0 (without output: the
     backward's recompute; with it: the forward with KEEP_STATES), the reverse pass and the per-chunk gradients."""
     from .forward import WS_BLOCK_V
@@ -39,6 +40,9 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
     # the last flag: chained (context parallelism's chained route)
     jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained))
              for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
+    # the wide kernel: passes without S0 stores whose (sequence or segment, head) programs fill the SMs
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, 128, False, True, chained))
+             for h0, ht, chained in itertools.product(flags, flags, flags)]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
         jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True)))

@@ -50,6 +50,13 @@ class WarmupTables:
     seq_ends_host: tuple[int, ...]
     chunk_rows_host: tuple[int, ...]  # each segment's first row of the chunk table (and of gamma)
     end_rows_host: tuple[int, ...]    # the row of the chunk after it
+    # what the walks' search reads (warmup_bound.walk_lengths): each chunk-table row's tokens, whether a walk can
+    # reach it (before its sequence's last segment; after its first with reverse), and each segment's rows
+    row_starts: torch.Tensor          # [n_rows] int64 device: the row's first token
+    row_ends: torch.Tensor            # [n_rows] int64 device: the token after its last
+    walked: torch.Tensor              # [2, n_rows] int8 device: [0] forward walks reach it, [1] reverse ones
+    chunk_rows: torch.Tensor          # [n_seg] int64 device: chunk_rows_host
+    end_rows: torch.Tensor            # [n_seg] int64 device: end_rows_host
 
 
 def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int], seq_starts: list[int],
@@ -60,10 +67,21 @@ def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int],
     before = [(s - seq_starts[n]) // CHUNK for s, n in zip(starts, seq_of)]
     after = [-(-(se - e) // CHUNK) for e, se in zip(ends, seq_ends)]
     end_rows = [r + -(-(e - s) // CHUNK) for r, s, e in zip(seg_chunk_rows, starts, ends)]
+    row_starts, row_ends = [], []
+    for a, b in zip(seq_starts[:-1], seq_starts[1:]):
+        row_starts += list(range(a, b, CHUNK))
+        row_ends += [min(t + CHUNK, b) for t in range(a, b, CHUNK)]
+    walked = torch.zeros(2, len(row_starts), dtype=torch.int8)
+    for n in range(len(seg_offsets) - 1):
+        first, last = seg_offsets[n], seg_offsets[n + 1] - 1
+        if last > first:
+            walked[0, seg_chunk_rows[first]:seg_chunk_rows[last]] = 1
+            walked[1, end_rows[first]:end_rows[last]] = 1
     as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return WarmupTables(as_dev(starts), as_dev(ends), as_dev(seq_ends), as_dev(before), as_dev(after),
                         tuple(seq_of), tuple(before), tuple(after), tuple(starts), tuple(ends), tuple(seq_ends),
-                        tuple(seg_chunk_rows), tuple(end_rows))
+                        tuple(seg_chunk_rows), tuple(end_rows), as_dev(row_starts), as_dev(row_ends),
+                        walked.to(device), as_dev(seg_chunk_rows), as_dev(end_rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +166,7 @@ def walk_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.
     (dS_end) within e^LOG_BOUND -- or all of them to the sequence's start (end): then exact, from h0 (dht). The
     chained route's walks (state_output_ws.py, backward_state.py); nothing is read back."""
     from .warmup_bound import walk_lengths as search
-    longest = max(t.after_host if reverse else t.before_host, default=0)
-    return search(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, longest, reverse, LOG_BOUND)
+    return search(t, g, k, beta, reverse, LOG_BOUND)
 
 
 def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,

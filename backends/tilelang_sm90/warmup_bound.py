@@ -4,8 +4,11 @@ brings the summed norm bound below LOG_BOUND, and the flag of the segment whose 
 does not; warmup.walk_lengths, per (segment, value head) the fewest chunks next to the segment that do, or all of
 them to the sequence's boundary (the chained route's walks).
 
-    1. chunk sums, one program per (segment, chunk of its window, key head): the chunk's 64 tokens at once, the
-       bound's log summed per value head of the key head's group (float64) into sums [n_seg, window, HV];
+    1. chunk sums: the bound's log summed per chunk and value head (float64), each program one chunk's 64 tokens
+       and one key head's group: for the flags per (segment, chunk of its fixed window) into [n_seg, window, HV];
+       for the walks once per chunk-table row a walk can reach, into [n_rows, HV], which every segment of the
+       sequence reads (session 12: per segment, each recomputed all the chunks before it, ~n_seg / 2 times the
+       sequence's k, 0.055 ms of 2/8 1x32768's 0.234 with 16 segments);
     2. one program per segment: the window's sums added, the test per head (the flags), or running sums over
        blocks of 64 chunks, nearest first, and the first count that settles each head (the walks).
 
@@ -26,28 +29,14 @@ CHUNK = tl.constexpr(64)  # a jit-visible global must be constexpr (the interpre
 
 
 @triton.jit
-def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
-                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
-                         REVERSE: tl.constexpr):
-    """sums[j, m, hv] = sum over chunk m away from segment j (before it; after it with REVERSE) of
-    log b_t = g_t + log max(1, |1 - beta_t ||k_t||^2|), float64 (||k_t||^2 in fp32, as the PyTorch definition in
-    tests/test_warmup.py); tokens outside the sequence add 0."""
-    j = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1)
-    h = tl.program_id(2)
+def _tile_log_bound(g, k, beta, tok, inside, h, n_tok, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    GP: tl.constexpr, KP: tl.constexpr):
+    """([GP] float64 sums over the tile's tokens `tok` where `inside` of log b_t = g_t + log max(1,
+    |1 - beta_t ||k_t||^2|) for key head h's value heads (||k_t||^2 in fp32, as the PyTorch definition in
+    tests/test_warmup.py); tokens outside add 0 and load nothing, [GP] value heads, their mask)."""
     GROUP: tl.constexpr = HV // H
-    row = tl.arange(0, CHUNK).to(tl.int64)
-    if REVERSE:
-        tok = tl.load(ends + j) + m * CHUNK + row
-        inside = tok < tl.load(seq_ends + j)
-    else:
-        start = tl.load(starts + j)
-        tok = start - 1 - m * CHUNK - row
-        inside = tok >= start - CHUNK * tl.load(before + j)
     tok = tl.minimum(tl.maximum(tok, 0), n_tok - 1)
     ck = tl.arange(0, KP)
-    # loads masked to the sequence too: the window is as long as the longest segment's (walk_lengths: all the
-    # chunks before the last segment), so most programs of the others read nothing
     kt = tl.load(k + (tok[:, None] * H + h) * K + ck[None, :], mask=inside[:, None] & (ck < K)[None, :],
                  other=0.0).to(tl.float32)
     kk = tl.sum(kt * kt, 1)
@@ -57,8 +46,42 @@ def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit
     gg = tl.load(g + tok[:, None] * HV + hv[None, :], mask=inside[:, None] & mg[None, :], other=0.0).to(tl.float64)
     bb = tl.load(beta + tok[:, None] * HV + hv[None, :], mask=inside[:, None] & mg[None, :], other=0.0).to(tl.float64)
     stretch = tl.log(tl.maximum(tl.abs(1.0 - bb * kk.to(tl.float64)[:, None]), 1.0))
-    s = tl.sum(tl.where(inside[:, None], gg + stretch, 0.0), 0)
+    return tl.sum(tl.where(inside[:, None], gg + stretch, 0.0), 0), hv, mg
+
+
+@triton.jit
+def _chunk_bounds_kernel(g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr,
+                         REVERSE: tl.constexpr):
+    """sums[j, m, hv] = the bound's log summed over chunk m away from segment j (before it; after it with
+    REVERSE), float64; tokens outside the sequence add 0."""
+    j = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    h = tl.program_id(2)
+    row = tl.arange(0, CHUNK).to(tl.int64)
+    if REVERSE:
+        tok = tl.load(ends + j) + m * CHUNK + row
+        inside = tok < tl.load(seq_ends + j)
+    else:
+        start = tl.load(starts + j)
+        tok = start - 1 - m * CHUNK - row
+        inside = tok >= start - CHUNK * tl.load(before + j)
+    s, hv, mg = _tile_log_bound(g, k, beta, tok, inside, h, n_tok, H, HV, K, GP, KP)
     tl.store(sums + (j * limit + m) * HV + hv, s, mask=mg)
+
+
+@triton.jit
+def _row_bounds_kernel(g, k, beta, row_starts, row_ends, walked, sums, n_tok, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr):
+    """sums[r, hv] = the bound's log summed over chunk-table row r's tokens, float64, for the rows a walk can
+    reach (walked[r]); the others load nothing and store 0 (never read)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    tok = tl.load(row_starts + r) + tl.arange(0, CHUNK).to(tl.int64)
+    reached = tok * 0 + tl.load(walked + r).to(tl.int64) != 0   # as a tile: a scalar mask the interpreter refuses
+    inside = (tok < tl.load(row_ends + r)) & reached
+    s, hv, mg = _tile_log_bound(g, k, beta, tok, inside, h, n_tok, H, HV, K, GP, KP)
+    tl.store(sums + r * HV + hv, s, mask=mg)
 
 
 @triton.jit
@@ -83,21 +106,24 @@ def _needs_kernel(sums, before, after, need, window, stride, HV: tl.constexpr, H
 
 
 @triton.jit
-def _walks_kernel(sums, before, after, walk, stride, HV: tl.constexpr, HVP: tl.constexpr, BM: tl.constexpr,
+def _walks_kernel(sums, base, before, after, walk, HV: tl.constexpr, HVP: tl.constexpr, BM: tl.constexpr,
                   REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
     """walk[j, hv]: the first m in 1 .. avail whose running sum of segment j's chunk sums (nearest first) is <=
     LOG_BOUND for head hv, else avail (the walk reaches the sequence's boundary: exact); 0 where avail is 0.
-    sums: [n_seg, stride, HV] with stride >= avail."""
+    sums: [n_rows, HV] per chunk-table row; segment j's m-th chunk is row base[j] - 1 - m (its first row as base),
+    base[j] + m with REVERSE (the row after it)."""
     j = tl.program_id(0).to(tl.int64)
     hv = tl.arange(0, HVP)
     mh = hv < HV
     avail = tl.load(after + j) if REVERSE else tl.load(before + j)
+    row0 = tl.load(base + j)
     carry = tl.zeros([HVP], dtype=tl.float64)
     first = tl.zeros([HVP], dtype=tl.int64) + avail       # until a block settles the head
     for m0 in range(0, avail, BM):
         mm = m0 + tl.arange(0, BM).to(tl.int64)
         inside = (mm < avail)[:, None] & mh[None, :]
-        blk = tl.load(sums + (j * stride + mm[:, None]) * HV + hv[None, :], mask=inside, other=0.0)
+        rows = row0 + mm if REVERSE else row0 - 1 - mm
+        blk = tl.load(sums + rows[:, None] * HV + hv[None, :], mask=inside, other=0.0)
         run = tl.cumsum(blk, 0) + carry[None, :]
         hit = tl.min(tl.where(inside & (run <= LOG_BOUND), mm[:, None] + 1, avail), 0)
         first = tl.minimum(first, hit)
@@ -134,15 +160,20 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
     return need
 
 
-def walk_lengths(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
-                 after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, longest: int,
-                 reverse: bool, log_bound: float) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract); `longest` >= every segment's chunks
-    available before it (after it with reverse), from the host tables."""
-    n_seg, HV = starts.shape[0], g.shape[2]
+def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, reverse: bool,
+                 log_bound: float) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract) from the plan's warmup.WarmupTables t."""
+    n_seg, n_rows = t.starts.shape[0], t.row_starts.shape[0]
+    _, n_tok, HV = g.shape
+    H, K = k.shape[2], k.shape[3]
     walk = torch.empty(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
-        sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, longest, reverse)
-        _walks_kernel[(n_seg,)](sums, before, after, walk, sums.shape[1], HV=HV, HVP=triton.next_power_of_2(HV),
-                                BM=64, REVERSE=reverse, LOG_BOUND=log_bound, num_warps=4)
+        sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
+        if n_rows:
+            _row_bounds_kernel[(n_rows, H)](g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)], sums, n_tok,
+                                            H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
+                                            KP=triton.next_power_of_2(K), num_warps=4)
+        _walks_kernel[(n_seg,)](sums, t.end_rows if reverse else t.chunk_rows, t.before, t.after, walk, HV=HV,
+                                HVP=triton.next_power_of_2(HV), BM=64, REVERSE=reverse, LOG_BOUND=log_bound,
+                                num_warps=4)
     return walk
