@@ -35,6 +35,20 @@ def sequence_bounds(cu_seqlens, chunk_offsets, n):
     return bos, eos, T.ceildiv(eos - bos, CHUNK), chunk_offsets[n]
 
 
+@T.macro
+def walked_run(walk, before, n, hv, bos, c0, chained):
+    """The chained route's run of program (n, hv) in the forward's state passes: (pre, exact, bos_run, c0_run):
+    `pre` chunks walked back before the program's own (whole chunks: segments are cut at chunk bounds inside a
+    sequence), exact where the walk starts at the sequence's start (then from h0); run chunk i starts at token
+    bos_run + i * C and is row c0_run + i of the chunk table. Unchained builds: no walk, (0, True, bos, c0)."""
+    if chained:
+        pre = walk[n, hv]
+        exact = pre == before[n]
+    else:
+        pre, exact = 0, True
+    return pre, exact, bos - pre * CHUNK, c0 - pre
+
+
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, num_stages: int = 2,
                          threads: int = 128, store_states: bool = False, K: int = 128, V: int = 128):

@@ -40,7 +40,7 @@ keeps the training builds), so the GPU tests' bv128 cases check it and scratch/w
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds
+from .state_output import sequence_bounds, walked_run
 
 CHUNK = 64
 THREADS = 384
@@ -100,16 +100,8 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
         with T.Kernel(HV, num_seqs, threads=THREADS) as (hv, n):
             hk = hv // GROUP
             bos, eos, n_own, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
-            # the run: `pre` chunks walked back (chained; whole chunks: segments are cut at chunk bounds inside a
-            # sequence), then the program's own chunks. Run chunk i starts at token bos_run + i * C and is row
-            # c0_run + i of the chunk table; the walk's chunks have no output.
-            if chained:
-                pre = walk[n, hv]
-                exact = pre == before[n]   # the walk starts at the sequence's start: from h0
-            else:
-                pre, exact = 0, True
-            bos_run = bos - pre * C
-            c0_run = c0 - pre
+            # the run: `pre` chunks walked back (chained; they have no output), then the program's own
+            pre, exact, bos_run, c0_run = walked_run(walk, before, n, hv, bos, c0, chained)
             n_chunks = pre + n_own
 
             q_s = T.alloc_shared((STAGES, C, K), dtype)

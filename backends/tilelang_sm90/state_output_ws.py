@@ -42,7 +42,7 @@ write rows below n_valid.
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds
+from .state_output import sequence_bounds, walked_run
 
 CHUNK = 64
 THREADS = 384
@@ -102,16 +102,9 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             hk = hv // GROUP
             v0 = bv * BV
             bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
-            # the run: `pre` chunks walked back (chained; whole chunks, segments are cut at chunk bounds inside a
-            # sequence), then the program's own n_chunks. Chunk i of the run starts at token bos_run + i * C and
-            # is row c0_run + i of the chunk table; its own index is i - pre.
-            if chained:
-                pre = walk[n, hv]
-                exact = pre == before[n]   # the walk starts at the sequence's start: from h0
-            else:
-                pre, exact = 0, True
-            bos_run = bos - pre * C
-            c0_run = c0 - pre
+            # the run: `pre` chunks walked back (chained), then the program's own n_chunks; chunk i of the run is
+            # its own i - pre
+            pre, exact, bos_run, c0_run = walked_run(walk, before, n, hv, bos, c0, chained)
 
             # stage tiles (TMA destinations)
             if emit_output:
