@@ -34,8 +34,10 @@ Barriers (stage slot s = i % STAGES, U slot h = i % 2; parity (i // slots) % 2, 
     u_ready[h]  x -> owner, output: U of chunk i         u_free[h]  output -> x (after O's store left the slot)
 The output waits freed[s] (the owner's K_d^T U done) before it stages O over U.
 
-forward.py takes it only where BLOCK_V forces 128 columns for an inference pass (the pipelined state_output.py
-keeps the training builds), so the GPU tests' bv128 cases check it and scratch/wide_sweep.py times it.
+forward.py takes it for passes without S0 stores whose (sequence or segment, head) programs fill 70% of the SMs
+(forward._plan_state_block_v), and for the wide route's segments (context_parallel.wide_segment_chunks); the
+pipelined state_output.py keeps the training builds that store S0. The chained build walks back before each
+segment as state_output_ws.py's does; the walk's chunks have no output.
 """
 import tilelang
 import tilelang.language as T
