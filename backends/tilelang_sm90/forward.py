@@ -12,7 +12,7 @@ The intra kernel writes Tb = T diag(beta) (64 values per token and value head) a
 makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session 4: 16/64 1x32768 2.38 ->
 2.16 ms against writing W and U' and reading them back). Its kernels, picked by the V tile:
 - BV = 32 / 64: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so chunk i's
-  output overlaps chunk i + 1's state update. Training (S0 stores) and the chained route always run here.
+  output overlaps chunk i + 1's state update. Passes that store S0 (training) always run here.
 - BV = 128 for an inference pass with one program per (sequence, head) filling >= 70% of the SMs:
   state_output_wide.py, split by product (owner of S, x making U = U' - W S, output + loads), which reads
   Q, K and Tb once per head and keeps two products on the chain (H200, session 12, state pass ms, wide / BV 64:
@@ -198,6 +198,11 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
     return _jit()[0](H, HV, dtype, emit_t=emit_t)
 
 
+def _pipelined(block_v: int, store_states: bool) -> bool:
+    """Whether a pass runs state_output.py (the only state kernel without the chained route's walk arguments)."""
+    return block_v not in WS_BLOCK_V and store_states
+
+
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
                         block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False):
@@ -208,7 +213,7 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
                          block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
                          emit_output=emit_output, chained=chained)
     assert emit_output, "the 128-column state passes always write O"
-    if not store_states:
+    if not _pipelined(block_v, store_states):
         return _jit()[4](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          chained=chained)
     assert not chained, "the pipelined state pass never walks back"
@@ -254,7 +259,7 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
             placeholder if launch.init is None else launch.init, o if emit else stub,
             placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
-    if block_v in WS_BLOCK_V or hs is None:  # the three-warpgroup and wide kernels take the chained route's walks
+    if not _pipelined(block_v, hs is not None):
         args += launch.walk if chained else no_walks(dev, HV)
     kernel(*args)
 

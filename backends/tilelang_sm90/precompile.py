@@ -30,9 +30,9 @@ class Job(NamedTuple):
 def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
     """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
     without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
-    propagator), and with
-    `training` the intra kernel that also writes T, the state pass that stores S0 (without output: the
-    backward's recompute; with it: the forward with KEEP_STATES), the reverse pass and the per-chunk gradients."""
+    propagator), and with `training` the intra kernel that also writes T, the state pass that stores S0 (without
+    output: the backward's recompute; with it: the forward with KEEP_STATES), the reverse pass and the per-chunk
+    gradients."""
     from .forward import WS_BLOCK_V
 
     flags = (False, True)
