@@ -44,14 +44,15 @@ def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
 def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import (backward_state, chunk_grads, intra_chunk, propagator, state_output,
-                                               state_output_wide, state_output_ws)
+    from gdnkit.backends.tilelang_sm90 import (backward_state, backward_state_wide, chunk_grads, intra_chunk, propagator,
+                                               state_output, state_output_wide, state_output_ws)
     module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
                        "backward_state": (backward_state, backward_state.backward_state_program),
                        "chunk_grads": (chunk_grads, chunk_grads.chunk_grads_program),
                        "state_output": (state_output, state_output.state_output_program),
                        "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
                        "state_output_wide": (state_output_wide, state_output_wide.state_output_wide_program),
+                       "backward_state_wide": (backward_state_wide, backward_state_wide.backward_state_wide_program),
                        "propagator": (propagator, propagator.propagator_program)}[kind]
     return tilelang.compile(program(H, HV, dtype, **options), target=SM90, pass_configs=module.PASS_CONFIGS)
 
@@ -217,6 +218,20 @@ def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv, ch
     assert src.count("wgmma_ss") == 6, "the six products (three on the chain, one on the side) are not all wgmma"
     assert "tma_store(dh_desc" in src and "tma_store(du_desc" in src, "dS_end / dU stores did not lower to TMA"
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
+
+
+@pytest.mark.parametrize("H,HV,dtype,chained", [(16, 32, "bfloat16", False), (4, 8, "float16", True)])
+def test_backward_state_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
+    """The full-width reverse pass (not launched by the backward yet but where BLOCK_V forces 128): its seven
+    products on wgmma, the dh / dU / dV stores by TMA, its shared memory within a block's."""
+    _tilelang()
+    kernel = _kernel("backward_state_wide", H, HV, dtype, has_dht=True, store_dh0=True, chained=chained)
+    src = kernel.get_kernel_source()
+    _assert_hopper_paths(src)
+    assert ("walk[" in src) == chained
+    assert src.count("wgmma_ss") == 7
+    assert all(f"tma_store({d}_desc" in src for d in ("dh", "du", "dv"))
+    assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
 @pytest.mark.parametrize("H,HV,dtype", [(4, 8, "float16")])
@@ -1076,15 +1091,17 @@ def test_wide_segment_rule(H, HV, lengths, expected, monkeypatch):
     assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) is None
 
 @pytest.mark.gpu
-def test_backward_state_matches_reference_chunked_backward():
-    """The sm90 backward's sequential pass alone, fed by the forward's intra kernel (Tb, gamma), against
+@pytest.mark.parametrize("wide", [False, True], ids=["bv64", "wide"])
+def test_backward_state_matches_reference_chunked_backward(wide):
+    """The sm90 backward's sequential pass alone (backward_state.py, or its full-width form
+    backward_state_wide.py), fed by the forward's intra kernel (Tb, gamma), against
     backends/reference/chunked_backward.py: dU and dS_end of every chunk, dV and dh0, one sequence of 200
     tokens (a chunk tail of 8) with a final-state gradient."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     tl = _tilelang()
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
-    from gdnkit.backends.tilelang_sm90 import backward_state
+    from gdnkit.backends.tilelang_sm90 import backward_state, backward_state_wide
     from gdnkit.backends.tilelang_sm90.backward import _no_walks
     from gdnkit.backends.tilelang_sm90.forward import TARGET, forward, open_gate
     from gdnkit.problem import CHUNK_MODE, validate_inputs
@@ -1102,8 +1119,9 @@ def test_backward_state_matches_reference_chunked_backward():
         got = {}
         forward(problem, inputs, intermediates=got)
         layout = seqlayout.sequence_layout(torch.tensor([0, T], device=dev, dtype=torch.int32))
-        kernel = tl.compile(backward_state.backward_state_program(H, HV, "bfloat16", True, True),
-                            target=TARGET, pass_configs=backward_state.PASS_CONFIGS)
+        module, program = (backward_state_wide, backward_state_wide.backward_state_wide_program) if wide else \
+            (backward_state, backward_state.backward_state_program)
+        kernel = tl.compile(program(H, HV, "bfloat16", True, True), target=TARGET, pass_configs=module.PASS_CONFIGS)
         nc = layout.n_chunks
         du, dv = (torch.full((1, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16) for _ in range(2))
         dh = torch.full((nc, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)

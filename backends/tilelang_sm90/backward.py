@@ -39,17 +39,22 @@ STAGES = 2
 def _jit():
     import tilelang
 
-    from . import backward_state, chunk_grads
+    from . import backward_state, backward_state_wide, chunk_grads
 
     def jit(module, program):
         return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
 
-    return jit(backward_state, backward_state.backward_state_program), jit(chunk_grads, chunk_grads.chunk_grads_program)
+    return (jit(backward_state, backward_state.backward_state_program), jit(chunk_grads, chunk_grads.chunk_grads_program),
+            jit(backward_state_wide, backward_state_wide.backward_state_wide_program))
 
 
 @functools.lru_cache(maxsize=None)
 def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
                           chained: bool = False):
+    """The reverse pass: backward_state.py at 32 / 64 columns; at 128 (forced only, forward.BLOCK_V: not GPU-run
+    yet) backward_state_wide.py, with the same arguments."""
+    if block_v == 128:
+        return _jit()[2](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained)
     return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
                      chained=chained)
 
