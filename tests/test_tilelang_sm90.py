@@ -1262,13 +1262,16 @@ def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route,gate_scale", [("gated", 1.0), ("gated", 1e-3), ("chained", (1.0, 1e-3))],
-                         ids=["warmup", "weak-gates", "chained-mixed-gates"])
+@pytest.mark.parametrize("route,gate_scale", [("gated", 1.0), ("gated", 1e-3), ("chained", (1.0, 1e-3)),
+                                              ("wide", (1.0, 1e-3))],
+                         ids=["warmup", "weak-gates", "chained-mixed-gates", "wide-mixed-gates"])
 def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
     """One long sequence at 2/8 (segments on an H200): forward and backward in segments, by warm-ups with
     decaying gates, by the exact routes (propagator and segment scans) with gates that barely decay, by the
     chained routes (16-chunk segments, the exact route made not to pay) with half the heads barely decaying, so
-    their programs walk up to 8 segments both ways; every gradient against the float64 chunked backward."""
+    their programs walk up to 8 segments both ways; by the backward's wide route (at 65573 tokens: 16 segments,
+    one 128-column reverse-pass program per segment and head, half the heads walking far); every gradient
+    against the float64 chunked backward."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -1277,16 +1280,20 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import backward as bwd
     from gdnkit.backends.tilelang_sm90 import context_parallel
-    H, HV, T, dev = 2, 8, 8200, "cuda"
+    H, HV, T, dev = 2, 8, 65536 + 37 if route == "wide" else 8200, "cuda"
+    monkeypatch.setattr(context_parallel, "WIDE_ROUTE", route == "wide")
     if route == "chained":
         monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     routes = []
     real_segments = bwd._segments
     monkeypatch.setattr(bwd, "_segments", lambda *a: routes.append(real_segments(*a)[1]) or real_segments(*a))
+    tiles = []   # the reverse pass's V tiles
+    real_kernel = bwd.backward_state_kernel
+    monkeypatch.setattr(bwd, "backward_state_kernel", lambda *a: tiles.append(a[5]) or real_kernel(*a))
     gen = torch.Generator(device=dev).manual_seed(9)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    rates = torch.tensor(gate_scale, device=dev).repeat(HV // 2) if route == "chained" else gate_scale
+    rates = torch.tensor(gate_scale, device=dev).repeat(HV // 2) if isinstance(gate_scale, tuple) else gate_scale
     x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
              v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)) * rates,
              beta=torch.sigmoid(r(1, T, HV)), initial_state=r(1, HV, K, V) * 0.1)
@@ -1307,4 +1314,5 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
     assert _rel(o, ref_o) <= BF16_FWD_BAR
     errs = {n: _rel(got[n], want[n]) for n in want}
     assert all(e <= 1e-2 for e in errs.values()), errs
-    assert routes == [route]
+    assert routes == ["chained" if route == "wide" else route]
+    assert (128 in tiles) == (route == "wide"), tiles   # the wide route's reverse pass runs all 128 columns

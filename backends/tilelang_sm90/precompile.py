@@ -51,7 +51,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES
                  for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
         jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained))
-                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
+                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]
         # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
         jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]
     return jobs
