@@ -51,8 +51,8 @@ def _jit():
 @functools.lru_cache(maxsize=None)
 def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
                           chained: bool = False):
-    """The reverse pass: backward_state.py at 32 / 64 columns; at 128 (not GPU-run yet) backward_state_wide.py,
-    with the same arguments."""
+    """The reverse pass: backward_state.py at 32 / 64 columns; at 128 backward_state_wide.py, with the same
+    arguments."""
     if block_v == 128:
         return _jit()[2](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained)
     return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
