@@ -13,31 +13,34 @@ Per chunk, with A = s P^T dO (P = Q K^T (.) D_incl), W = (Tb diag(Gamma)) K and 
                               place to s diag(Gamma) dO once x has read it, dS += Q^T (that) before dU exists,
                               then dS += (-W)^T dU
     x      (threads 128-255)  A first (Q K^T, the mask, P through a private tile), then K dS_end as soon as it
-                              arrives; dU = A + diag(Gamma_C / Gamma) (K dS_end) handed over; dX = Tb^T dU; the dh,
-                              dU and dV stores
+                              arrives; dU = A + diag(Gamma_C / Gamma) (K dS_end) handed over
     side   (threads 256-383)  -W of each chunk (needed only by the owner's last product of the chunk, so it is made
-                              while the chunk's dS_end, K dS_end and dU are on the chain), and the TMA loads of
-                              chunk i + STAGES once the three roles are done with chunk i
+                              while the chunk's dS_end, K dS_end and dU are on the chain); the dh store; dX = Tb^T dU
+                              and the dU and dV stores; the TMA loads of chunk i + STAGES once the three roles are
+                              done with chunk i
+
+x paces the pass: between handing dU over and the next K dS_end it makes the next chunk's A. dX and the three
+stores were x's too until session 13, whose clock64 timeline of a step (H200, 16/32 1x32768) read ~8850
+clocks: x's A ~3600, K dS_end with the dh store ~2140, dU ~520, dX ~440, the dU / dV stores ~1870, while the
+side waited ~6800 of them.
 
 So the chain per chunk is dS_end's copy -> K dS_end -> dU -> W^T dU: two 128-deep products, where
 backward_state.py has three at half the width. Nothing is handed over that its consumer could make itself, so
 one slot of each tile suffices.
 
 Shared memory (bytes): 2 stages x (Q 16K + K 16K + Tb 8K + dO 16K + gamma 256) = 115200; bf16 dS_end 32768; dU
-16384; dV's staging 16384; P 8192 (x); Tb Gamma 8192 and -W 16384 (side); three vectors of 64: 213760.
+16384; P 8192 (x); Tb Gamma 8192, -W 16384 and dV's staging 16384 (side); three vectors of 64: 213760.
 
 Barriers (stage s = i % STAGES; one-slot tiles have parity i % 2, flipped for "free"):
     loaded[s]   side's TMA -> all          freed[s]   all three -> the side's next load (384)
-    ds_ready    owner -> x                 ds_free    x (its K dS_end product and the dh store have read it)
+    ds_ready    owner -> x, side           ds_free    x (K dS_end has read it) and side (the dh store) -> owner
     do_read     x (A has read dO) -> owner (which then scales dO in place)
-    du_ready    x -> owner                 du_free    owner (its W^T dU has read dU) -> x
+    du_ready    x -> owner, side           du_free    owner (W^T dU) and side (dX, the dU store) -> x
     w_ready     side -> owner              w_free     owner -> side
 
 chained: as backward_state.py's chained build, the run is the program's own chunks followed by `post` walked
 chunks after them (walk[n, hv]), taken from the last back: from the sequence's dht where the walk reaches its
 end (walk == after[n]), else from zero; the walk's chunks store nothing. `gate` as backward_state.py's.
-
-Not yet run on a GPU (session 12 wrote it on the CPU host: it compiles; the backward does not launch it yet).
 """
 import tilelang
 import tilelang.language as T
@@ -117,7 +120,7 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
             g_s = T.alloc_shared((STAGES, C), accum)
             ds_s = T.alloc_shared((K, V), dtype)              # bf16 dS_end: x's K dS_end, the source of dh's store
             du_s = T.alloc_shared((C, V), dtype)              # dU: the owner's W^T dU, x's Tb^T dU, du's store
-            dv_s = T.alloc_shared((C, V), dtype)              # dV's staging for its TMA store
+            dv_s = T.alloc_shared((C, V), dtype)              # side: dV's staging for its TMA store
             p_s = T.alloc_shared((C, C), dtype)               # x: s P (valid rows)
             tg_s = T.alloc_shared((C, C), dtype)              # side: Tb diag(Gamma)
             w_s = T.alloc_shared((C, K), dtype)               # side -> owner: -W
@@ -129,18 +132,18 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
 
             dS = T.alloc_fragment((K, V), accum)              # owner
             acc_a = T.alloc_fragment((C, V), accum)           # x: A, then dU
-            acc_k = T.alloc_fragment((C, V), accum)           # x: K dS_end, then dX
+            acc_k = T.alloc_fragment((C, V), accum)           # x: K dS_end
             qk = T.alloc_fragment((C, C), accum)              # x
-            acc_w = T.alloc_fragment((C, K), accum)           # side
+            acc_w = T.alloc_fragment((C, K), accum)           # side: W, then dX
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=[128] * STAGES)
             freed = T.alloc_barrier(arrive_count=[384] * STAGES)
             ds_ready = T.alloc_barrier(arrive_count=128)
-            ds_free = T.alloc_barrier(arrive_count=128)
+            ds_free = T.alloc_barrier(arrive_count=256)
             do_read = T.alloc_barrier(arrive_count=128)
             du_ready = T.alloc_barrier(arrive_count=128)
-            du_free = T.alloc_barrier(arrive_count=128)
+            du_free = T.alloc_barrier(arrive_count=256)
             w_ready = T.alloc_barrier(arrive_count=128)
             w_free = T.alloc_barrier(arrive_count=128)
 
@@ -181,7 +184,7 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                     if store_dh0:
                         T.copy(dS, dh0[n, hv, 0:K, 0:V])
                 elif tx < 256:
-                    # ---- x: A, K dS_end, dU, dX, the stores ----
+                    # ---- x: A, K dS_end, dU ----
                     for i in T.serial(n_chunks):
                         s = i % STAGES
                         ci = n_chunks - 1 - i
@@ -201,38 +204,24 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                         T.barrier_arrive(do_read)
                         T.barrier_wait(ds_ready, i % 2)
                         T.wgmma_gemm(k_s[s, :, :], ds_s, acc_k, clear_accum=True)                   # K dS_end
-                        if i >= post:  # the program's own chunks: the walk's are another program's to store
-                            T.copy(ds_s, dh[c0 + ci, hv, 0:K, 0:V])
                         T.wait_wgmma(0)
                         T.barrier_arrive(ds_free)
                         for r, j in T.Parallel(C, V):
                             acc_a[r, j] = acc_a[r, j] + acc_k[r, j] * eu_s[r]
-                        T.barrier_wait(du_free, (i % 2) ^ 1)           # the owner's W^T dU has read the last one
+                        T.barrier_wait(du_free, (i % 2) ^ 1)           # the owner and the side have read the last one
                         T.copy(acc_a, du_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(du_ready)
-                        T.wgmma_gemm(a_s[s, :, :], du_s, acc_k, transpose_A=True, clear_accum=True)  # dX = Tb^T dU
-                        T.wait_wgmma(0)
-                        if i >= post:
-                            if n_valid == C:
-                                T.copy(du_s, du[0, t0:t0 + C, hv, 0:V])
-                                T.copy(acc_k, dv_s)
-                                T.fence_proxy_async()
-                                T.copy(dv_s, dv[0, t0:t0 + C, hv, 0:V])
-                            else:
-                                for r, j in T.Parallel(C, V):
-                                    if r < n_valid:
-                                        du[0, t0 + r, hv, j] = du_s[r, j]
-                                        dv[0, t0 + r, hv, j] = acc_k[r, j]
                         T.barrier_arrive(freed[s])
                 else:
-                    # ---- side: -W, and the loads ----
+                    # ---- side: -W, the dh store, dX and the dU / dV stores, the loads ----
                     for i in T.serial(T.min(n_chunks, STAGES)):
                         load(q, k, a, do, gamma, q_s, k_s, a_s, do_s, g_s, loaded, bos, c0, n_chunks, hk, hv,
                              i, i)
                     for i in T.serial(n_chunks):
                         s = i % STAGES
-                        t0 = bos + (n_chunks - 1 - i) * C
+                        ci = n_chunks - 1 - i
+                        t0 = bos + ci * C
                         n_valid = T.min(eos - t0, C)
                         T.barrier_wait(loaded[s], (i // STAGES) % 2)
                         for r in T.Parallel(C):
@@ -247,6 +236,27 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                             w_s[r, j] = -acc_w[r, j]
                         T.fence_proxy_async()
                         T.barrier_arrive(w_ready)
+                        # dh: dS_end's TMA store from the owner's hand-over tile
+                        T.barrier_wait(ds_ready, i % 2)
+                        if i >= post:  # the program's own chunks: the walk's are another program's to store
+                            T.copy(ds_s, dh[c0 + ci, hv, 0:K, 0:V])
+                        T.barrier_arrive(ds_free)
+                        # dX = Tb^T dU (dV) into -W's accumulator, dead since its store; the dU and dV stores
+                        T.barrier_wait(du_ready, i % 2)
+                        T.wgmma_gemm(a_s[s, :, :], du_s, acc_w, transpose_A=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        if i >= post:
+                            if n_valid == C:
+                                T.copy(du_s, du[0, t0:t0 + C, hv, 0:V])
+                                T.copy(acc_w, dv_s)
+                                T.fence_proxy_async()
+                                T.copy(dv_s, dv[0, t0:t0 + C, hv, 0:V])
+                            else:
+                                for r, j in T.Parallel(C, V):
+                                    if r < n_valid:
+                                        du[0, t0 + r, hv, j] = du_s[r, j]
+                                        dv[0, t0 + r, hv, j] = acc_w[r, j]
+                        T.barrier_arrive(du_free)
                         T.barrier_arrive(freed[s])
                         T.barrier_wait(freed[s], (i // STAGES) % 2)
                         if i + STAGES < n_chunks:
