@@ -237,12 +237,15 @@ def test_backward_state_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
 @pytest.mark.parametrize("H,HV,dtype", [(4, 8, "float16")])
 def test_chunk_grads_compiles_to_wgmma_and_tma(H, HV, dtype):
     """The backward's per-chunk kernel: its ten tiles by TMA, every product on wgmma (21 call sites: 16
-    products, the 64 x 128 ones split between the two warpgroups), no barrier under a thread subset."""
+    products, the 64 x 128 ones split between the two warpgroups), no barrier under a thread subset; dq and dk
+    in the inputs' dtype leave by TMA stores (fp32 ones, for the l2norm backward, by the threads)."""
     _tilelang()
     src = _source("chunk_grads", H, HV, dtype)
     _assert_hopper_paths(src)
     assert src.count("tma_load(") == 10
     assert src.count("wgmma_ss<") == 21 and "mma_sync" not in src
+    assert "tma_store(" not in src
+    assert _source("chunk_grads", H, HV, dtype, grads_dtype=dtype).count("tma_store(") == 2
 
 
 
@@ -470,6 +473,9 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     v = r(1, T, HV, V).to(torch.bfloat16)
     g = F.logsigmoid(r(1, T, HV))
     beta = torch.sigmoid(r(1, T, HV))
+    if HV == 64:  # contiguous views starting one element into a buffer: the kernels' TMA boxes need aligned bases
+        q, v = (torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape) for x in (q, v))
+        assert q.data_ptr() % 16 and v.data_ptr() % 16
     h0 = r(N, HV, K, V) * 0.1
     cu = torch.tensor(CU_SEQLENS, device=dev, dtype=torch.long)
 
@@ -1316,3 +1322,16 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
     assert all(e <= 1e-2 for e in errs.values()), errs
     assert routes == ["chained" if route == "wide" else route]
     assert (128 in tiles) == (route == "wide"), tiles   # the wide route's reverse pass runs all 128 columns
+
+
+def test_forward_copies_inputs_whose_base_tma_cannot_take():
+    """A TMA descriptor needs a 16-byte aligned base: a contiguous view one element into a buffer is copied,
+    an aligned tensor passes through as it is (no copy)."""
+    from gdnkit.backends.tilelang_sm90.forward import _tma_aligned
+    buf = torch.randn(1 + 4 * 128, dtype=torch.bfloat16)
+    view = buf[1:].view(1, 4, 1, 128)
+    assert view.data_ptr() % 16 != 0
+    out = _tma_aligned(view)
+    assert out.data_ptr() % 16 == 0 and torch.equal(out, view)
+    aligned = torch.randn(1, 4, 1, 128, dtype=torch.bfloat16)
+    assert _tma_aligned(aligned) is aligned

@@ -198,6 +198,12 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
     return _jit()[0](H, HV, dtype, emit_t=emit_t)
 
 
+def _tma_aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy where its first element is not 16-byte aligned: a TMA descriptor needs an aligned base (a
+    contiguous view into a larger buffer can start anywhere, and reshape / contiguous keep it)."""
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _pipelined(block_v: int, store_states: bool) -> bool:
     """Whether a pass runs state_output.py (the only state kernel without the chained route's walk arguments)."""
     return block_v not in WS_BLOCK_V and store_states
@@ -310,6 +316,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     q, k = (x.reshape(1, total, H, K).contiguous() for x in (q, k))
     v = v.reshape(1, total, HV, V).contiguous()
     g, beta = (x.reshape(1, total, HV).contiguous() for x in (g, beta))
+    q, k, v = (_tma_aligned(x) for x in (q, k, v))
     if h0 is not None:
         h0 = h0.float()
         h0 = (h0.transpose(-1, -2) if problem.state_v_first else h0).contiguous()
