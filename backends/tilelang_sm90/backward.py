@@ -66,16 +66,13 @@ def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
     """(segment plan, route) where the reverse pass runs in segments, else None. First the wide route, as the
-    forward's inference takes it (context_parallel.wide_segment_chunks: one 128-column reverse-pass program per
+    forward's inference takes it (forward.wide_segment_chunks: one 128-column reverse-pass program per
     (segment, head) filling the SMs, by the chained route); else the forward's segment rule and routes
     (forward._initial_states): where the exact route pays (context_parallel.exact_route_pays) the gated route,
     elsewhere the chained one. WARMUP_ROUTE off: the exact route alone, where it pays."""
-    if context_parallel.WIDE_ROUTE and forward.BLOCK_V is None and context_parallel.available() \
-            and forward.chained_route_available():
-        seg = context_parallel.wide_segment_chunks(s.layout, problem.HV, _sm_count_of(dev),
-                                                   forward.TARGET_SM_FRACTION)
-        if seg:
-            return context_parallel.plan_segments(s.layout, seg), "chained"
+    seg = forward.wide_segment_chunks(s.layout, problem.HV, dev)
+    if seg:
+        return context_parallel.plan_segments(s.layout, seg), "chained"
     seg = _segment_chunks(s.layout, problem.HV, dev)
     if not seg:
         return None
@@ -147,14 +144,6 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(index)
 
 
-def _plan_reverse_block_v(n: int, HV: int, dev: torch.device) -> int:
-    """The reverse pass's V tile over n sequences or segments: all 128 columns (backward_state_wide.py) where one
-    program per (sequence or segment, head) fills TARGET_SM_FRACTION of the SMs, else forward._plan_block_v's."""
-    if forward.BLOCK_V is None and n * HV >= forward.TARGET_SM_FRACTION * _sm_count_of(dev):
-        return 128
-    return _plan_block_v(n, HV, dev)
-
-
 def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: int):
     """(every chunk's S0, the stream it is being made on) where the recompute runs beside the reverse pass, else
     None. The recompute of S0 (the forward's state pass again, forward.entering_states) does not feed the reverse
@@ -201,7 +190,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     plan = _segments(problem, s, dev)
     n_reverse = N if plan is None else plan[0].segments.n_seg
     beside = _recompute_beside(problem, s, dev, n_reverse)
-    block_v = 64 if beside else _plan_reverse_block_v(n_reverse, HV, dev)
+    block_v = 64 if beside else forward._plan_state_block_v(n_reverse, HV, dev, wide=True)
     if plan is None:
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
         kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, block_v)

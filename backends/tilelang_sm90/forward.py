@@ -81,14 +81,21 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
+def wide_segment_chunks(layout, HV: int, device: torch.device) -> int | None:
+    """Chunks per segment of the wide route (context_parallel.wide_segment_chunks) where it can run: on, not
+    forced off by BLOCK_V, with the chained route (its walks) available. The forward's inference and the
+    backward's reverse pass take it."""
+    if context_parallel.WIDE_ROUTE and BLOCK_V is None and context_parallel.available() and chained_route_available():
+        return context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
+    return None
+
+
 def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, bool]:
     """(chunks per segment or None, whether they take the wide route): inference takes the wide route where it
-    applies (context_parallel.wide_segment_chunks), everything else _segment_chunks' segments."""
-    if not train and context_parallel.WIDE_ROUTE and BLOCK_V is None and context_parallel.available() \
-            and chained_route_available():
-        seg = context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
-        if seg:
-            return seg, True
+    applies (wide_segment_chunks), everything else _segment_chunks' segments."""
+    seg = None if train else wide_segment_chunks(layout, HV, device)
+    if seg:
+        return seg, True
     return _segment_chunks(layout, HV, device), False
 
 
@@ -167,9 +174,10 @@ def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
 
 
 def _plan_state_block_v(N: int, HV: int, device: torch.device, wide: bool) -> int:
-    """The forward state pass's V tile: all 128 columns (state_output_wide.py) where the pass may take it (wide:
-    it writes O and stores no S0) and one program per (sequence or segment, head) fills TARGET_SM_FRACTION of
-    the SMs, else _plan_block_v's."""
+    """A state pass's V tile: all 128 columns where the pass may take its full-width kernel (wide: the forward's
+    state_output_wide.py where it writes O and stores no S0; the backward's reverse pass, backward_state_wide.py,
+    always) and one program per (sequence or segment, head) fills TARGET_SM_FRACTION of the SMs, else
+    _plan_block_v's."""
     if BLOCK_V is None and wide and N * HV >= TARGET_SM_FRACTION * _sm_count_of(device):
         return 128
     return _plan_block_v(N, HV, device)
