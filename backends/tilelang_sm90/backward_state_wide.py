@@ -82,6 +82,16 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
         T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s[s, :], barrier=loaded[s])
         T.barrier_arrive(loaded[s])
 
+    @T.macro
+    def landed(loaded, bos, eos, n_chunks, i):
+        """Chunk i of the run, counted from its end, once its stage's tiles have landed: (stage, the chunk's
+        index in the run, its first token, its rows inside the sequence). Every role starts its step here."""
+        s = i % STAGES
+        ci = n_chunks - 1 - i
+        t0 = bos + ci * C
+        T.barrier_wait(loaded[s], (i // STAGES) % 2)
+        return s, ci, t0, T.min(eos - t0, C)
+
     @T.prim_func
     def gdn_backward_state_wide(
         q: T.Tensor((1, num_tokens, H, K), dtype),
@@ -156,10 +166,7 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                     else:
                         T.clear(dS)
                     for i in T.serial(n_chunks):
-                        s = i % STAGES
-                        t0 = bos + (n_chunks - 1 - i) * C
-                        n_valid = T.min(eos - t0, C)
-                        T.barrier_wait(loaded[s], (i // STAGES) % 2)
+                        s, _, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
                         T.barrier_wait(ds_free, (i % 2) ^ 1)       # x has read the previous dS_end
                         T.copy(dS, ds_s)
                         T.fence_proxy_async()
@@ -186,11 +193,7 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                 elif tx < 256:
                     # ---- x: A, K dS_end, dU ----
                     for i in T.serial(n_chunks):
-                        s = i % STAGES
-                        ci = n_chunks - 1 - i
-                        t0 = bos + ci * C
-                        n_valid = T.min(eos - t0, C)
-                        T.barrier_wait(loaded[s], (i // STAGES) % 2)
+                        s, ci, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
                         T.wgmma_gemm(q_s[s, :, :], k_s[s, :, :], qk, transpose_B=True, clear_accum=True)  # Q K^T
                         g_last = g_s[s, n_valid - 1]
                         for r in T.Parallel(C):
@@ -219,11 +222,7 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                         load(q, k, a, do, gamma, q_s, k_s, a_s, do_s, g_s, loaded, bos, c0, n_chunks, hk, hv,
                              i, i)
                     for i in T.serial(n_chunks):
-                        s = i % STAGES
-                        ci = n_chunks - 1 - i
-                        t0 = bos + ci * C
-                        n_valid = T.min(eos - t0, C)
-                        T.barrier_wait(loaded[s], (i // STAGES) % 2)
+                        s, ci, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
                         for r in T.Parallel(C):
                             eg_s[r] = T.if_then_else(r < n_valid, T.exp(g_s[s, r]), 0.0)
                         for r, c in T.Parallel(C, C):
