@@ -222,8 +222,8 @@ def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv, ch
 
 @pytest.mark.parametrize("H,HV,dtype,chained", [(16, 32, "bfloat16", False), (4, 8, "float16", True)])
 def test_backward_state_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
-    """The full-width reverse pass (not launched by the backward yet but where BLOCK_V forces 128): its seven
-    products on wgmma, the dh / dU / dV stores by TMA, its shared memory within a block's."""
+    """The full-width reverse pass (the backward's where its programs fill the SMs, its wide route included): its
+    seven products on wgmma, the dh / dU / dV stores by TMA, its shared memory within a block's."""
     _tilelang()
     kernel = _kernel("backward_state_wide", H, HV, dtype, has_dht=True, store_dh0=True, chained=chained)
     src = kernel.get_kernel_source()
