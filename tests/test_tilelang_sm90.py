@@ -991,8 +991,10 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     (8, 32, 32768, None, 1.0, True, "wide", True),
     (8, 32, 32768, None, 1e-3, True, "wide", False),
     (2, 8, 65536 + 37, None, "mixed", True, "wide", "mixed"),
+    # short sequences: 2/8 2000 tokens in 2-chunk segments (a tail chunk of 16), with mixed gates
+    (2, 8, 2000, None, "mixed", True, "wide", "mixed"),
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
-        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates"])
+        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short-mixed-gates"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
@@ -1079,8 +1081,13 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (8, 32, [32768], 128),
     (16, 64, [32768], 256),     # 2 segments
     (2, 8, [4096] * 8, 32),     # 64 sequence-head pairs: each sequence in 2
-    (2, 8, [8192], None),       # 32-chunk segments leave 32 pairs: not enough for the wide pass
-    (16, 64, [2048], None),     # a segment would be the whole sequence
+    (2, 8, [8192], 8),          # 16 segments of 8 chunks
+    (2, 8, [2048], 2),          # short sequences too, down to 2-chunk segments (WIDE_MIN_SEGMENT_CHUNKS)
+    (4, 16, [2048], 4),
+    (8, 32, [2048], 8),
+    (16, 64, [2048], 16),
+    (2, 8, [128], None),        # 2 chunks: one segment would be the whole sequence
+    (2, 8, [2048] * 4, 8),      # 32 pairs: 4 segments each
     (4, 16, [4096] * 8, None),  # 128 pairs already fill 70% of the SMs: the wide pass without segments
     (16, 64, [4096] * 8, None),
 ])

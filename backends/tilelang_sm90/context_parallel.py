@@ -46,6 +46,12 @@ SEGMENT_CHUNKS = None
 # segments; 1x8192: 16 and 32 chunks within 2%) while the extra launches cost ~0.6 ms of host time per
 # eager call (2/8 1x2048: 0.79 ms eager against 0.07 of device time, run 5).
 MIN_SEGMENT_CHUNKS = 32
+# The wide route's floor (wide_segment_chunks). Its cost per segment is a program and a walk of a chunk or two
+# where gates settle, not a propagator and a scan step, so short sequences may take it too: 2/8 1x2048 in 16
+# segments of 2 chunks is 128 programs of ~3 wide steps, where the 64-column pass without segments walks 32
+# chunks on 16 SMs (0.051 of that point's 0.064 ms, session 13's stages). Not yet timed (session 13 ran out of
+# device time): JOURNAL has the prediction.
+WIDE_MIN_SEGMENT_CHUNKS = 2
 # Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program,
 # i.e. at most ~half the SMs busy without it. H200, 2026-11-29 (session 5, after the row-decay and block-solve
 # changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
@@ -94,7 +100,7 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     if per_sequence < 2:
         return None
     chunks = [-(-n // CHUNK) for n in layout.lengths]
-    seg = max(MIN_SEGMENT_CHUNKS, math.ceil(max(chunks, default=0) / per_sequence))
+    seg = max(WIDE_MIN_SEGMENT_CHUNKS, math.ceil(max(chunks, default=0) / per_sequence))
     # sequences too short for segments that fill the SMs keep the other routes (the wide pass needs the pairs)
     return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
 
