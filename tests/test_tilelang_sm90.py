@@ -591,6 +591,74 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
             gamma[hv, row, n:] = gs[-1].float()
 
 
+def test_wide_pays_by_the_longest_walk():
+    """16/64 1x32768 cut in two: a walk of a chunk keeps the wide route (257 wide steps against 512 64-column
+    ones), a slow head's 175-chunk walk sends it to the pass without segments (431 x 1.45 > 512)."""
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    layout = seqlayout.sequence_layout(torch.tensor([0, 32768]))
+    plan = context_parallel.plan_segments(layout, 256)
+    assert plan.own.tolist() == [256, 256]
+    settle = torch.tensor([[0] * 64, [1] * 64], dtype=torch.int32)
+    slow = settle.clone()
+    slow[1, 5] = 175
+    assert bool(context_parallel.wide_pays(plan, settle, layout))
+    assert not bool(context_parallel.wide_pays(plan, slow, layout))
+    assert context_parallel.plain_fills(layout, 64, sms=132, fill=0.7)        # 128 programs at 64 columns
+    assert not context_parallel.plain_fills(layout, 32, sms=132, fill=0.7)
+
+@pytest.mark.parametrize("picked", ["wide", "plain"])
+@pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
+def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
+    """Where the 64-column pass without segments fills the SMs too, the forward launches both it and the wide
+    route's pass over segments, and the device picks one (context_parallel.wide_pays): the other runs over empty
+    sequences. Either pick gives the plain path's output and final states (float64 stand-ins of the kernels)."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(fwd, "BLOCK_V", None)
+    calls = []
+    _stand_in_forward_kernels(monkeypatch, fwd, calls)
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2)   # the wide route, on a CPU
+    monkeypatch.setattr(context_parallel, "plain_fills", lambda *_: True)
+    monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0 if picked == "wide" else 1e9)
+    launched = []   # per state-pass launch: (chained, whether any of its sequences has a token)
+    factory = fwd.state_output_kernel
+
+    def recording(*args):
+        kernel, chained = factory(*args), args[-1]
+        return lambda *a: launched.append((chained, bool(a[5].diff().any()))) or kernel(*a)
+    monkeypatch.setattr(fwd, "state_output_kernel", recording)
+
+    gen = torch.Generator().manual_seed(3)
+    H, HV, T, N = 1, 2, sum(lengths) + 5, len(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).half()
+    k = F.normalize(r(1, T, H, K), dim=-1).half()
+    v, g = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * torch.tensor((3.0, 1e-3))   # one head barely decays
+    beta = torch.rand(1, T, HV, generator=gen)
+    h0 = r(N, HV, K, V) * 0.1 if state else None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu)
+    got = {}
+    o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
+    assert got["context_parallel"] == "chained" and got["wide_segments"]
+    assert bool(got["wide_choice"]) == (picked == "wide")
+    assert sorted(launched) == sorted([(True, picked == "wide"), (False, picked == "plain")]), launched
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                               output_final_state=True, cu_seqlens=cu)
+    ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    assert _rel(o, ref_o) < 2e-3 and _rel(ht, ref_ht) < 1e-3
+    assert o[:, sum(lengths):].abs().max() == 0
+    _assert_in_family(calls, H, HV, "float16", training=False)
+
+
 def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chained=False):
     """What the state/output kernel writes: O rows of every sequence (of cu) if emit_output, final states if
     asked, every chunk's entering state (bf16) if store_states. chained: each program first walks walk[n, hv]
@@ -993,8 +1061,13 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     (2, 8, 65536 + 37, None, "mixed", True, "wide", "mixed"),
     # short sequences: 2/8 2000 tokens in 2-chunk segments (a tail chunk of 16), with mixed gates
     (2, 8, 2000, None, "mixed", True, "wide", "mixed"),
+    # where the 64-column pass without segments fills the SMs too, the device picks: the wide route where every
+    # head settles at once, the pass without segments where half the heads walk far
+    (16, 64, 32768, None, 1.0, True, "wide", True),
+    (16, 64, 32768, None, "mixed", True, "wide", "mixed"),
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
-        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short-mixed-gates"])
+        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short-mixed-gates", "wide-16-64-picked",
+        "wide-16-64-plain"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
@@ -1037,6 +1110,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         assert got["context_parallel"] == ("chained" if wide else route) and got["wide_segments"] == wide
         if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
+        if "wide_choice" in got:   # the device's pick between the wide route and the pass without segments
+            assert bool(got["wide_choice"]) == (settled is True)
         if route in ("chained", "wide"):   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
             walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before[:, None]
             short, far = walk == before.clamp_max(1), (walk > 1) | (before <= 1)

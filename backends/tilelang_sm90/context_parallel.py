@@ -65,6 +65,10 @@ WARMUP_SMS_PER_PROGRAM = 1
 WARMUP_ROUTE = True
 # False: inference segments take the routes above at 32 / 64 columns, not the wide one (tests of those routes)
 WIDE_ROUTE = True
+# The wide pass's chunk-step over the 64-column pass's, each at one program per SM (H200, session 12: ~2.9 vs
+# ~2.0 us): where the 64-column pass without segments fills the SMs too, the wide route pays only while its
+# longest program (own chunks + walk) takes fewer than (longest sequence's chunks) / this steps (wide_pays).
+WIDE_STEP_RATIO = 1.45
 
 
 def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
@@ -105,6 +109,22 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
 
 
+def plain_fills(layout: SequenceLayout, HV: int, sms: int, fill: float) -> bool:
+    """Whether the 64-column pass without segments (two programs per sequence and head) fills `fill` of the
+    SMs: there the wide route's gain is its step alone, and slow heads' walks can undo it (wide_pays)."""
+    return 2 * len(layout.lengths) * HV >= fill * sms
+
+
+def wide_pays(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """0-dim bool on the device: whether the wide route's pass over segments (its longest program: own chunks
+    plus walk, in wide steps) beats the 64-column pass over whole sequences (the longest one's chunks). With
+    gates that settle in a chunk it does (16/64 1x32768: 257 wide steps against 512); where the slowest heads
+    walk 76-175 chunks it may not (model-like gates: 1.90 against 1.55 ms, run H of session 12). Decided on the
+    device from the walks, so nothing is read back and a graph captures both launches (forward.py)."""
+    longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
+    return (plan.own[:, None] + walk).amax() * WIDE_STEP_RATIO < longest
+
+
 def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:
     return 4 * len(layout.lengths) * HV
 
@@ -141,6 +161,7 @@ class SegmentPlan:
     window: int                      # the gated route's warm-up length in chunks (warmup.window)
     gated: tuple                     # its launches (warmup.WarmupRun): forward, reverse (the backward's)
     walks: Walks                     # the chained route's segment tables
+    own: torch.Tensor                # [n_seg] int32: each segment's own chunks
 
 
 @functools.lru_cache(maxsize=32)
@@ -160,7 +181,7 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
     walks = Walks(i32(tables.before_host), i32(tables.after_host), i32(tables.seq_ends_host),
                   torch.tensor(tables.seq_of, dtype=torch.int64, device=dev))
-    return SegmentPlan(segments, chunk_offsets, tables, window, gated, walks)
+    return SegmentPlan(segments, chunk_offsets, tables, window, gated, walks, chunk_offsets.diff())
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,

@@ -353,7 +353,14 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
-            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg, walk)
+            seg_cu, choice = plan.segments.cu_seqlens, None
+            if wide and context_parallel.plain_fills(layout, HV, _sm_count_of(dev), TARGET_SM_FRACTION):
+                # the device picks the wide route or the 64-column pass without segments (wide_pays): both are
+                # launched, the one not picked over empty sequences (its programs exit at once)
+                choice = context_parallel.wide_pays(plan, walk[0], layout)
+                seg_cu = torch.where(choice, seg_cu, 0)
+                walk = (torch.where(choice, walk[0], 0), walk[1])
+            states = StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
@@ -361,6 +368,13 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                 empty = [n for n, length in enumerate(layout.lengths) if length == 0]
                 if empty:
                     ht[empty] = 0.0 if h0 is None else h0[empty]
+            if choice is not None:
+                ht_plain = None if ht is None else torch.empty_like(ht)
+                plain = StateLaunch(torch.where(choice, 0, layout.cu_seqlens), layout.chunk_offsets, h0, N)
+                _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=_plan_block_v(N, HV, dev))
+                ht = None if ht is None else torch.where(choice, ht, ht_plain)
+                if intermediates is not None:
+                    intermediates.update(wide_choice=choice)
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             states = StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N)
