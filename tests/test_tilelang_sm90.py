@@ -591,9 +591,11 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
             gamma[hv, row, n:] = gs[-1].float()
 
 
-def test_wide_pays_by_the_longest_walk():
+def test_wide_route_picked_by_the_longest_walk():
     """16/64 1x32768 cut in two: a walk of a chunk keeps the wide route (257 wide steps against 512 64-column
-    ones), a slow head's 175-chunk walk sends it to the pass without segments (431 x 1.45 > 512)."""
+    ones), a slow head's 175-chunk walk sends it to the pass without segments (431 x 1.45 > 512); each pass gets
+    its cu_seqlens (and the wide one its walks) as they are where it is picked, zeros where not."""
+    pytest.importorskip("triton")
     from gdnkit import seqlayout
     from gdnkit.backends.tilelang_sm90 import context_parallel
     layout = seqlayout.sequence_layout(torch.tensor([0, 32768]))
@@ -602,17 +604,20 @@ def test_wide_pays_by_the_longest_walk():
     settle = torch.tensor([[0] * 64, [1] * 64], dtype=torch.int32)
     slow = settle.clone()
     slow[1, 5] = 175
-    assert bool(context_parallel.wide_pays(plan, settle, layout))
-    assert not bool(context_parallel.wide_pays(plan, slow, layout))
-    assert context_parallel.plain_fills(layout, 64, sms=132, fill=0.7)        # 128 programs at 64 columns
-    assert not context_parallel.plain_fills(layout, 32, sms=132, fill=0.7)
+    for walk, wide in ((settle, True), (slow, False)):
+        wide_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk, layout)
+        assert bool(choice) == wide and choice.dtype == torch.bool and choice.dim() == 0
+        assert torch.equal(wide_cu, plan.segments.cu_seqlens if wide else torch.zeros_like(wide_cu))
+        assert torch.equal(wide_walk, walk if wide else torch.zeros_like(walk))
+        assert torch.equal(plain_cu, torch.zeros_like(plain_cu) if wide else layout.cu_seqlens)
+
 
 @pytest.mark.parametrize("picked", ["wide", "plain"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
 def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
-    """Where the 64-column pass without segments fills the SMs too, the forward launches both it and the wide
-    route's pass over segments, and the device picks one (context_parallel.wide_pays): the other runs over empty
-    sequences. Either pick gives the plain path's output and final states (float64 stand-ins of the kernels)."""
+    """With the wide route the forward launches both its pass over segments and the 64-column pass without
+    segments, and the device picks one (context_parallel.pick): the other runs over empty sequences. Either pick
+    gives the plain path's output and final states (float64 stand-ins of the kernels)."""
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -624,7 +629,6 @@ def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
     monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2)   # the wide route, on a CPU
-    monkeypatch.setattr(context_parallel, "plain_fills", lambda *_: True)
     monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0 if picked == "wide" else 1e9)
     launched = []   # per state-pass launch: (chained, whether any of its sequences has a token)
     factory = fwd.state_output_kernel
@@ -1059,15 +1063,17 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     (8, 32, 32768, None, 1.0, True, "wide", True),
     (8, 32, 32768, None, 1e-3, True, "wide", False),
     (2, 8, 65536 + 37, None, "mixed", True, "wide", "mixed"),
-    # short sequences: 2/8 2000 tokens in 2-chunk segments (a tail chunk of 16), with mixed gates
+    # short sequences: 2/8 2000 tokens in 2-chunk segments (a tail chunk of 16): the wide pass where every head
+    # settles, the plain one picked with mixed gates
+    (2, 8, 2000, None, 1.0, True, "wide", True),
     (2, 8, 2000, None, "mixed", True, "wide", "mixed"),
     # where the 64-column pass without segments fills the SMs too, the device picks: the wide route where every
     # head settles at once, the pass without segments where half the heads walk far
     (16, 64, 32768, None, 1.0, True, "wide", True),
     (16, 64, 32768, None, "mixed", True, "wide", "mixed"),
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
-        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short-mixed-gates", "wide-16-64-picked",
-        "wide-16-64-plain"])
+        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short", "wide-short-mixed-gates",
+        "wide-16-64-picked", "wide-16-64-plain"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
@@ -1085,6 +1091,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segment_chunks)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", warmup_on)
     monkeypatch.setattr(context_parallel, "WIDE_ROUTE", route == "wide")
+    if route == "wide" and settled is False:   # the wide pass's long walks: made to be picked over the plain pass
+        monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0)
     if route == "chained" and segment_chunks:
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     dev = "cuda"
@@ -1110,8 +1118,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         assert got["context_parallel"] == ("chained" if wide else route) and got["wide_segments"] == wide
         if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
-        if "wide_choice" in got:   # the device's pick between the wide route and the pass without segments
-            assert bool(got["wide_choice"]) == (settled is True)
+        if wide:   # the device's pick: the pass without segments where half the heads walk far
+            assert bool(got["wide_choice"]) == (settled != "mixed")
         if route in ("chained", "wide"):   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
             walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before[:, None]
             short, far = walk == before.clamp_max(1), (walk > 1) | (before <= 1)

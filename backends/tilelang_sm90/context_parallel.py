@@ -22,7 +22,9 @@ state (ALGORITHM.md section 4), found by one of these routes:
         before its own (from h0 / dht where the walk reaches the sequence's boundary: exact): a segment never
         costs more than its sequence without segments, and nothing is read back.
     wide (inference, before the others where it applies: wide_segment_chunks): the chained route with one
-        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs.
+        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs; the
+        64-column pass without segments is launched beside it, and the device picks which of the two runs
+        (pick): behind heads that barely decay the segments' walks would cost more than the plain pass.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -66,8 +68,9 @@ WARMUP_ROUTE = True
 # False: inference segments take the routes above at 32 / 64 columns, not the wide one (tests of those routes)
 WIDE_ROUTE = True
 # The wide pass's chunk-step over the 64-column pass's, each at one program per SM (H200, session 12: ~2.9 vs
-# ~2.0 us): where the 64-column pass without segments fills the SMs too, the wide route pays only while its
-# longest program (own chunks + walk) takes fewer than (longest sequence's chunks) / this steps (wide_pays).
+# ~2.0 us): the wide route pays only while its longest program (own chunks + walk) takes fewer than (longest
+# sequence's chunks) / this steps (pick). With few plain programs (short sequences, few heads) the 64-column
+# step is shorter than that and the ratio flatters the wide route; not yet calibrated there.
 WIDE_STEP_RATIO = 1.45
 
 
@@ -109,20 +112,20 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
 
 
-def plain_fills(layout: SequenceLayout, HV: int, sms: int, fill: float) -> bool:
-    """Whether the 64-column pass without segments (two programs per sequence and head) fills `fill` of the
-    SMs: there the wide route's gain is its step alone, and slow heads' walks can undo it (wide_pays)."""
-    return 2 * len(layout.lengths) * HV >= fill * sms
-
-
-def wide_pays(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """0-dim bool on the device: whether the wide route's pass over segments (its longest program: own chunks
-    plus walk, in wide steps) beats the 64-column pass over whole sequences (the longest one's chunks). With
-    gates that settle in a chunk it does (16/64 1x32768: 257 wide steps against 512); where the slowest heads
-    walk 76-175 chunks it may not (model-like gates: 1.90 against 1.55 ms, run H of session 12). Decided on the
-    device from the walks, so nothing is read back and a graph captures both launches (forward.py)."""
+def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout):
+    """The device's pick between the wide route's pass over segments and the 64-column pass over whole
+    sequences, both launched behind it (forward.py), each over its own cu_seqlens: (the wide pass's cu_seqlens
+    and walks, the plain pass's cu_seqlens, a 0-dim bool: wide). The wide route is picked while its longest
+    program (own chunks plus walk, in wide steps, WIDE_STEP_RATIO of a 64-column step) is shorter than the longest
+    sequence: with gates that settle in a chunk it is (16/64 1x32768: 257 wide steps against 512); behind heads
+    that barely decay (model-like gates: 76-175 chunks to e^-12) the segments walk far and the plain pass wins
+    (16/64 1x32768: 1.90 against 1.55 ms, session 12's run H; short sequences the more: a segment may walk to
+    the sequence's start). The pass not picked runs over empty sequences; nothing is read back, so a CUDA graph
+    captures both launches. One Triton launch (warmup_bound.pick_wide): the pick as torch ops and where-masks
+    cost ~20-26 us of launches (session 13's run A)."""
+    from .warmup_bound import pick_wide
     longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
-    return (plan.own[:, None] + walk).amax() * WIDE_STEP_RATIO < longest
+    return pick_wide(walk, plan.own, plan.segments.cu_seqlens, layout.cu_seqlens, longest, WIDE_STEP_RATIO)
 
 
 def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:

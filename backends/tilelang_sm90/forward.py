@@ -354,12 +354,11 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
             seg_cu, choice = plan.segments.cu_seqlens, None
-            if wide and context_parallel.plain_fills(layout, HV, _sm_count_of(dev), TARGET_SM_FRACTION):
-                # the device picks the wide route or the 64-column pass without segments (wide_pays): both are
-                # launched, the one not picked over empty sequences (its programs exit at once)
-                choice = context_parallel.wide_pays(plan, walk[0], layout)
-                seg_cu = torch.where(choice, seg_cu, 0)
-                walk = (torch.where(choice, walk[0], 0), walk[1])
+            if wide:
+                # the device picks the wide route or the 64-column pass without segments (context_parallel.pick):
+                # both are launched, the one not picked over empty sequences (its programs exit at once)
+                seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout)
+                walk = (wide_walk, walk[1])
             states = StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
@@ -370,7 +369,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                     ht[empty] = 0.0 if h0 is None else h0[empty]
             if choice is not None:
                 ht_plain = None if ht is None else torch.empty_like(ht)
-                plain = StateLaunch(torch.where(choice, 0, layout.cu_seqlens), layout.chunk_offsets, h0, N)
+                plain = StateLaunch(plain_cu, layout.chunk_offsets, h0, N)
                 _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=_plan_block_v(N, HV, dev))
                 ht = None if ht is None else torch.where(choice, ht, ht_plain)
                 if intermediates is not None:

@@ -177,3 +177,46 @@ def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, revers
                                 HVP=triton.next_power_of_2(HV), BM=64, REVERSE=reverse, LOG_BOUND=log_bound,
                                 num_warps=4)
     return walk
+
+
+@triton.jit
+def _pick_kernel(walk, own, seg_cu, cu, wide_cu, wide_walk, plain_cu, choice, n_seg, n_cu, longest, ratio,
+                 HV: tl.constexpr, HVP: tl.constexpr, BS: tl.constexpr):
+    """One program: wide = max over (segment, head) of (own chunks + walk) * ratio < longest; then the wide
+    route's cu_seqlens and walks (kept where wide, zero where not) and the plain pass's cu_seqlens (zero where
+    wide): each pass launched behind it runs only where it was picked, and nothing is read back."""
+    hv = tl.arange(0, HVP)
+    mh = hv < HV
+    worst = tl.full([], 0, tl.int32)
+    for j0 in range(0, n_seg, BS):
+        j = j0 + tl.arange(0, BS)
+        mj = j < n_seg
+        w = tl.load(walk + j[:, None] * HV + hv[None, :], mask=mj[:, None] & mh[None, :], other=0)
+        o = tl.load(own + j, mask=mj, other=0)
+        worst = tl.maximum(worst, tl.max(tl.max(w + o[:, None], 1), 0))
+    wide = worst.to(tl.float32) * ratio < longest
+    tl.store(choice, wide)
+    for j0 in range(0, n_seg, BS):
+        j = j0 + tl.arange(0, BS)
+        m = (j < n_seg)[:, None] & mh[None, :]
+        w = tl.load(walk + j[:, None] * HV + hv[None, :], mask=m, other=0)
+        tl.store(wide_walk + j[:, None] * HV + hv[None, :], tl.where(wide, w, 0), mask=m)
+    for j0 in range(0, n_seg + 1, BS):
+        j = j0 + tl.arange(0, BS)
+        mj = j < n_seg + 1
+        tl.store(wide_cu + j, tl.where(wide, tl.load(seg_cu + j, mask=mj, other=0), 0), mask=mj)
+    for j0 in range(0, n_cu, BS):
+        j = j0 + tl.arange(0, BS)
+        mj = j < n_cu
+        tl.store(plain_cu + j, tl.where(wide, 0, tl.load(cu + j, mask=mj, other=0)), mask=mj)
+
+
+def pick_wide(walk: torch.Tensor, own: torch.Tensor, seg_cu: torch.Tensor, cu: torch.Tensor, longest: int,
+              ratio: float):
+    """(wide_cu, wide_walk, plain_cu, choice) on the device (context_parallel.pick's contract), one launch."""
+    n_seg, HV = walk.shape
+    wide_cu, wide_walk, plain_cu = torch.empty_like(seg_cu), torch.empty_like(walk), torch.empty_like(cu)
+    choice = torch.empty((), dtype=torch.bool, device=walk.device)
+    _pick_kernel[(1,)](walk, own, seg_cu, cu, wide_cu, wide_walk, plain_cu, choice, n_seg, cu.shape[0],
+                       float(longest), float(ratio), HV=HV, HVP=triton.next_power_of_2(HV), BS=64, num_warps=4)
+    return wide_cu, wide_walk, plain_cu, choice
