@@ -124,6 +124,11 @@ def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
     assert "kTensorFloat32" in src
     # full chunks of Tb leave by a TMA store from shared memory, not per-thread global stores
     assert "tma_store(a_desc" in src, "Tb stores did not lower to TMA"
+    # the walks' chunk sums (emit_bound) cost no barrier: a shared store inside the mask's loop put one in each
+    # of its 32 steps
+    with_bound = _source("intra_chunk", H, HV, dtype, emit_bound=True)
+    assert "bound[" in with_bound and "bound[" not in src
+    assert with_bound.count("__syncthreads") == src.count("__syncthreads")
 
 
 # every V tile the forward can pick: 32 and 64 run the three-warpgroup kernel, 128 the pipelined one
@@ -571,9 +576,55 @@ def test_public_api_fp16_options_and_trailing_tokens():
 
 
 # ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
-def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
+@pytest.mark.gpu
+def test_intra_chunk_bound_matches_the_walks_search():
+    """The intra kernel's emit_bound (the walks' chunk sums, warmup.py's bound per chunk-table row and value head)
+    against the search's own sums (warmup_bound._row_bounds_kernel, float64) on a varlen batch with chunk tails,
+    GVA and beta up to 2 (so |1 - beta ||k||^2| > 1 on some tokens); Tb and gamma as without it."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import warmup_bound
+    from gdnkit.backends.tilelang_sm90.forward import intra_chunk_kernel
+
+    H, HV, dev = 2, 8, "cuda"
+    cu_host = [0, 1, 65, 200, 333, 1000]
+    T = cu_host[-1]
+    gen = torch.Generator(device=dev).manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    k = (F.normalize(r(1, T, H, K), dim=-1) * 1.3).to(torch.bfloat16)
+    g = F.logsigmoid(r(1, T, HV)) * 0.2
+    beta = 2 * torch.rand(1, T, HV, generator=gen, device=dev)
+    layout = seqlayout.sequence_layout(torch.tensor(cu_host, device=dev))
+    n = layout.n_chunks
+    outs = []
+    for emit in (False, True):
+        a = torch.full((1, T, HV, 64), float("nan"), device=dev, dtype=torch.bfloat16)
+        gamma = torch.full((HV, n, 64), float("nan"), device=dev)
+        bound = torch.full((n, HV), float("nan"), device=dev) if emit else torch.empty(1, 1, device=dev)
+        tm = torch.empty(1, 1, 1, 1, device=dev, dtype=torch.bfloat16)
+        intra_chunk_kernel(H, HV, "bfloat16", False, emit)(k, g, beta, layout.cu_seqlens, layout.chunk_indices, a,
+                                                          gamma, tm, bound)
+        outs.append((a, gamma, bound))
+    torch.cuda.synchronize()
+    (a0, g0, _), (a1, g1, got) = outs
+    assert torch.equal(a0[:, :T], a1[:, :T]) and torch.equal(g0, g1)   # the bound changes nothing else
+    want = torch.empty(n, HV, dtype=torch.float64, device=dev)
+    starts = torch.tensor([s for a_, b_ in zip(cu_host[:-1], cu_host[1:]) for s in range(a_, b_, 64)], device=dev)
+    ends = torch.tensor([min(s + 64, b_) for a_, b_ in zip(cu_host[:-1], cu_host[1:]) for s in range(a_, b_, 64)],
+                        device=dev)
+    walked = torch.ones(n, dtype=torch.int8, device=dev)
+    warmup_bound._row_bounds_kernel[(n, H)](g, k, beta, starts, ends, walked, want, T, H=H, HV=HV, K=K, GP=4, KP=K,
+                                            num_warps=4)
+    assert not got.isnan().any()
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), (got.double() - want).abs().max()
+
+
+def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm, bound):
     """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, Tb = T diag(beta)
-    rows, and T's rows into tm unless it is the 1-element placeholder."""
+    rows, T's rows into tm and the walks' chunk sums into bound unless each is the 1-element placeholder."""
     grp = g.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
@@ -589,6 +640,9 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
                 tm[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tm, (0, 64 - n)).to(tm.dtype)
             gamma[hv, row, :n] = gs.float()
             gamma[hv, row, n:] = gs[-1].float()
+            if bound.numel() > 1:   # warmup.py's bound: g_t + log max(1, |1 - beta_t ||k_t||^2|) summed
+                kn = (kk * kk).sum(1)
+                bound[row, hv] = (gs[-1] + torch.log(torch.clamp((1 - bs * kn).abs(), min=1.0)).sum()).float()
 
 
 def test_wide_route_picked_by_the_longest_walk():
@@ -808,7 +862,7 @@ def _recorded(calls: list, name: str, factory):
 
 def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
     monkeypatch.setattr(fwd, "intra_chunk_kernel", _recorded(calls, "intra_chunk_kernel",
-                                                             lambda H, HV, dt, emit_t=False: _intra_stand_in))
+                                                             lambda H, HV, dt, emit_t=False, emit_bound=False: _intra_stand_in))
     monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
         calls, "state_output_kernel",
         lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False:
@@ -851,8 +905,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         (reverse, real_needed(*a, reverse=reverse).tolist())) or real_needed(*a, reverse=reverse))
     walks = []   # the chained routes' walks: (chunks per segment and head, reverse)
     real_walks = bwd.warmup.walk_lengths
-    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False: walks.append(
-        (real_walks(*a, reverse=reverse).tolist(), reverse)) or real_walks(*a, reverse=reverse))
+    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, row_sums=None: walks.append(
+        (real_walks(*a, reverse=reverse, row_sums=row_sums).tolist(), reverse))
+        or real_walks(*a, reverse=reverse, row_sums=row_sums))
     calls = []
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",

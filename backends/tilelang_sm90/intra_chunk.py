@@ -68,10 +68,15 @@ def _t_entry(i, j, t32a_s, m32_s, t32b_s):
 
 
 def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool = False, K: int = 128,
-                        V: int = 128):
+                        V: int = 128, emit_bound: bool = False):
     """The TileLang prim_func for (H, HV, dtype). Token count, sequence count and chunk count are symbolic.
     emit_t (training): also write T itself to `tm` ([1, T, HV, 64], the backward's dbeta needs T where beta
-    is 0); otherwise `tm` is a 1-element placeholder that the kernel never touches."""
+    is 0); otherwise `tm` is a 1-element placeholder that the kernel never touches.
+    emit_bound (the chained and wide routes): also write, per chunk-table row and value head, the decay bound's
+    log summed over the chunk's tokens, sum_t g_t + log max(1, |1 - beta_t ||k_t||^2|) (warmup.py's bound), to
+    `bound` ([num_chunks, HV] fp32), which the walks' search then reads instead of loading K again
+    (warmup_bound._row_bounds_kernel: 0.032 ms of 16/64 1x32768's forward). beta_t ||k_t||^2 is the diagonal
+    of diag(beta) K K^T, kept in A's diagonal blocks; the chunk's sum of g is gamma at its last row."""
     # ---- tile shapes (fixed by the algebra at K = V = 128) ----
     C = CHUNK        # chunk length: rows of every tile; A and T are C x C
     BLK = 16         # diagonal block of the solve: forward substitution on CUDA cores, one thread per column
@@ -86,6 +91,7 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
     num_seqs = T.dynamic("num_seqs")
     num_chunks = T.dynamic("num_chunks")
     TM_SHAPE = (1, num_tokens, HV, C) if emit_t else (1, 1, 1, 1)
+    BOUND_SHAPE = (num_chunks, HV) if emit_bound else (1, 1)
 
     @T.prim_func
     def gdn_intra_chunk(
@@ -97,6 +103,7 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
         a: T.Tensor((1, num_tokens, HV, C), dtype),
         gamma: T.Tensor((HV, num_chunks, C), accum),
         tm: T.Tensor(TM_SHAPE, dtype),
+        bound: T.Tensor(BOUND_SHAPE, accum),
     ):
         with T.Kernel(num_chunks, HV, threads=THREADS) as (bc, hv):
             hk = hv // GROUP
@@ -112,6 +119,8 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             tb_s = T.alloc_shared((C, C), dtype)      # Tb = T diag(beta) in bf16, the source of its TMA store
             g_s = T.alloc_shared((C,), accum)         # g, then gamma = its chunk-local cumsum
             b_s = T.alloc_shared((C,), accum)
+            kd_s = T.alloc_shared((C,), accum)        # the bound's log terms (emit_bound)
+            bsum = T.alloc_var(accum)
             # fp32 tiles of the solve, small and padded (rows of 17) so column walks do not conflict
             a16_s = T.alloc_shared((NBLK, BLK, BLK + 1), accum)   # A's diagonal blocks
             d16_s = T.alloc_shared((NBLK, BLK, BLK + 1), accum)   # their inverses D_b
@@ -141,8 +150,10 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
 
             # ---- A = strictly_lower(diag(beta) (K K^T (.) D)); the mask is applied before the exp ----
             T.gemm(k0_s, k0_s, a_f, transpose_B=True, clear_accum=True)
+            # (emit_bound keeps the diagonal, beta_t ||k_t||^2: the substitutions read only below it in a16_s)
             for i, j in T.Parallel(C, C):
-                a_f[i, j] = T.if_then_else(i > j, a_f[i, j] * b_s[i] * T.exp(g_s[i] - g_s[j]), 0.0)
+                a_f[i, j] = T.if_then_else((i > j) | (emit_bound and i == j),
+                                           a_f[i, j] * b_s[i] * T.exp(g_s[i] - g_s[j]), 0.0)
             # the blocks the solve reads, each written once from the accumulator
             for i, j in T.Parallel(C, C):
                 if i // BLK == j // BLK:
@@ -151,6 +162,10 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
                     o16_s[i // H32, i % BLK, j % BLK] = a_f[i, j]
                 elif i >= H32 and j < H32:
                     a32_s[i - H32, j] = a_f[i, j]
+            if emit_bound:
+                for i in T.Parallel(C):
+                    kd_s[i] = T.if_then_else(
+                        i < n_valid, T.log(T.max(T.abs(1.0 - a16_s[i // BLK, i % BLK, i % BLK]), 1.0)), 0.0)
 
             # ---- level 0: D_b = (I + A_bb)^-1 by forward substitution, one thread per column of a block ----
             if tx < NBLK * BLK:
@@ -203,5 +218,11 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
                 gamma[hv, bc, i] = g_s[i]
+            if emit_bound:  # one thread, in row order: the same bits on every run
+                if tx == 0:
+                    bsum = g_s[n_valid - 1]
+                    for i in T.serial(C):
+                        bsum = bsum + kd_s[i]
+                    bound[bc, hv] = bsum
 
     return gdn_intra_chunk

@@ -123,7 +123,7 @@ def _walks_kernel(sums, base, before, after, walk, HV: tl.constexpr, HVP: tl.con
         mm = m0 + tl.arange(0, BM).to(tl.int64)
         inside = (mm < avail)[:, None] & mh[None, :]
         rows = row0 + mm if REVERSE else row0 - 1 - mm
-        blk = tl.load(sums + rows[:, None] * HV + hv[None, :], mask=inside, other=0.0)
+        blk = tl.load(sums + rows[:, None] * HV + hv[None, :], mask=inside, other=0.0).to(tl.float64)
         run = tl.cumsum(blk, 0) + carry[None, :]
         hit = tl.min(tl.where(inside & (run <= LOG_BOUND), mm[:, None] + 1, avail), 0)
         first = tl.minimum(first, hit)
@@ -161,15 +161,19 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
 
 
 def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, reverse: bool,
-                 log_bound: float) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract) from the plan's warmup.WarmupTables t."""
+                 log_bound: float, row_sums: torch.Tensor | None = None) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract) from the plan's warmup.WarmupTables t;
+    row_sums: the chunk sums per chunk-table row as the intra kernel wrote them (its emit_bound), else they are
+    summed here."""
     n_seg, n_rows = t.starts.shape[0], t.row_starts.shape[0]
     _, n_tok, HV = g.shape
     H, K = k.shape[2], k.shape[3]
     walk = torch.empty(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
-        sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
-        if n_rows:
+        sums = row_sums
+        if sums is None:
+            sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
+        if n_rows and row_sums is None:
             _row_bounds_kernel[(n_rows, H)](g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)], sums, n_tok,
                                             H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
                                             KP=triton.next_power_of_2(K), num_warps=4)
