@@ -1173,8 +1173,13 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         assert got["context_parallel"] == ("chained" if wide else route) and got["wide_segments"] == wide
         if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
-        if wide:   # the device's pick: the pass without segments where half the heads walk far
-            assert bool(got["wide_choice"]) == (settled != "mixed")
+        if wide:   # the device's pick (context_parallel.pick): the pass without segments where half the heads
+            # walk far enough that the longest program, in wide steps, outlasts the longest sequence
+            walk, own = got["walk_lengths"], context_parallel.plan_segments(layout, seg).own
+            longest_program = float((walk + own.to(walk.device)[:, None]).max()) * context_parallel.WIDE_STEP_RATIO
+            assert bool(got["wide_choice"]) == (longest_program < -(-T // 64))
+            if T < 4096:   # short sequences: the slow heads walk to the start, so the pick follows the gates
+                assert bool(got["wide_choice"]) == (settled != "mixed")
         if route in ("chained", "wide"):   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
             walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before[:, None]
             short, far = walk == before.clamp_max(1), (walk > 1) | (before <= 1)
@@ -1223,7 +1228,8 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (2, 8, [2048], 2),          # short sequences too, down to 2-chunk segments (WIDE_MIN_SEGMENT_CHUNKS)
     (4, 16, [2048], 4),
     (8, 32, [2048], 8),
-    (16, 64, [2048], 16),
+    (16, 64, [2048], None),     # 128 programs of the 64-column pass fill the SMs already: long segments only
+    (16, 64, [4096], 32),
     (2, 8, [128], None),        # 2 chunks: one segment would be the whole sequence
     (2, 8, [2048] * 4, 8),      # 32 pairs: 4 segments each
     (4, 16, [4096] * 8, None),  # 128 pairs already fill 70% of the SMs: the wide pass without segments

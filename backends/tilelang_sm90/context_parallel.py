@@ -108,6 +108,12 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
         return None
     chunks = [-(-n // CHUNK) for n in layout.lengths]
     seg = max(WIDE_MIN_SEGMENT_CHUNKS, math.ceil(max(chunks, default=0) / per_sequence))
+    # where the 64-column pass without segments fills the SMs by itself (two programs per pair), the wide route
+    # gains only a shorter walk, which short segments do not buy back: 16/64 1x2048 in 16-chunk segments 0.106
+    # against 0.109 ms with gates that settle, 0.120 with model gates (the plain pass picked behind the pick's
+    # launches; H200, session 14's run A). Long segments there gain a third (16/64 1x32768: 1.30 against 1.55).
+    if 2 * pairs >= fill * sms and seg < MIN_SEGMENT_CHUNKS:
+        return None
     # sequences too short for segments that fill the SMs keep the other routes (the wide pass needs the pairs)
     return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
 
