@@ -60,18 +60,30 @@ def _store_rows(src, dst, t0, head, n_valid):
 
 
 @T.macro
-def _assemble_t(dst, b_s, t32a_s, m32_s, t32b_s, scaled):
-    """dst = T diag(beta) (scaled) or T, from the solve's three 32 x 32 blocks: [[T32_0, 0], [L, T32_1]]; a loop
-    per quadrant, so each entry reads the one block it comes from (one loop over the whole tile read all three)."""
+def _assemble_t(dst, b_s, t32a_s, m32_s, t32b_s, tx, scaled):
+    """dst = T diag(beta) (scaled) or T, from the solve's three 32 x 32 blocks: [[T32_0, 0], [L, T32_1]]. Each
+    thread writes 16-byte pieces of whole 128-byte rows (eight lanes a row), which the tile's swizzle spreads over
+    all banks (a 32 x 32 loop per quadrant wrote 8-byte pieces of half rows: four lanes on a bank), and reads
+    only the block its piece comes from (the condition is the same for the piece's eight entries)."""
     H32 = t32a_s.shape[0]
-    for i, j in T.Parallel(H32, H32):
-        dst[i, j] = t32a_s[i, j] * (b_s[j] if scaled else 1.0)
-    for i, j in T.Parallel(H32, H32):
-        dst[i, H32 + j] = 0.0
-    for i, j in T.Parallel(H32, H32):
-        dst[H32 + i, j] = m32_s[i, j] * (b_s[j] if scaled else 1.0)
-    for i, j in T.Parallel(H32, H32):
-        dst[H32 + i, H32 + j] = t32b_s[i, j] * (b_s[H32 + j] if scaled else 1.0)
+    C = dst.shape[0]
+    for it in T.unroll(C * C // 8 // 128):
+        r = it * 16 + tx // 8
+        c0 = (tx % 8) * 8
+        if r < H32:
+            if c0 < H32:
+                for v in T.vectorized(8):
+                    dst[r, c0 + v] = t32a_s[r, c0 + v] * (b_s[c0 + v] if scaled else 1.0)
+            else:
+                for v in T.vectorized(8):
+                    dst[r, c0 + v] = 0.0
+        else:
+            if c0 < H32:
+                for v in T.vectorized(8):
+                    dst[r, c0 + v] = m32_s[r - H32, c0 + v] * (b_s[c0 + v] if scaled else 1.0)
+            else:
+                for v in T.vectorized(8):
+                    dst[r, c0 + v] = t32b_s[r - H32, c0 - H32 + v] * (b_s[c0 + v] if scaled else 1.0)
 
 
 @T.macro
@@ -188,12 +200,17 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             T.cumsum(src=g_s, dim=0)
             T.barrier_wait(loaded, 0)
 
-            # ---- A = strictly_lower(diag(beta) (K K^T (.) D)); the mask is applied before the exp ----
+            # ---- A = strictly_lower(diag(beta) (K K^T (.) D)) ----
             T.gemm(k0_s, k0_s, a_f, transpose_B=True, clear_accum=True)
             # (emit_bound keeps the diagonal, beta_t ||k_t||^2: the substitutions read only below it in a16_s)
+            # Scaled for every entry first, masked after: the loads of beta and g are then unconditional, so each
+            # thread reads its 2 rows and 16 columns once (scaled under the mask, they were predicated loads per
+            # entry, ~3 of 32 entries a thread: the most shared-memory requests of the kernel). The exponent is
+            # capped where the mask drops the entry anyway (i < j: g_i - g_j can be large), so nothing overflows.
             for i, j in T.Parallel(C, C):
-                a_f[i, j] = T.if_then_else((i > j) | (emit_bound and i == j),
-                                           a_f[i, j] * b_s[i] * T.exp(g_s[i] - g_s[j]), 0.0)
+                a_f[i, j] = a_f[i, j] * b_s[i] * T.exp(T.min(g_s[i] - g_s[j], 80.0))
+            for i, j in T.Parallel(C, C):
+                a_f[i, j] = T.if_then_else((i > j) | (emit_bound and i == j), a_f[i, j], 0.0)
             # the blocks the solve reads, each written once from the accumulator
             for i, j in T.Parallel(C, C):
                 if i // BLK == j // BLK:
@@ -246,21 +263,22 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
                 m32_s[i, j] = -p32[i, j]
             # Tb = T diag(beta), assembled from the three blocks, staged in tb_s for every chunk (a tail chunk
             # stores its rows from there as 16-byte vectors)
-            _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, scaled=True)
+            _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, tx, scaled=True)
             _store_rows(tb_s, a, t0, hv, n_valid)
             if emit_t:  # T itself, through the same staging tile once Tb has left it
                 T.sync_threads()
-                _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, scaled=False)
+                _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, tx, scaled=False)
                 _store_rows(tb_s, tm, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
             for i in T.Parallel(C):
                 gamma[hv, bc, i] = g_s[i]
-            if emit_bound:  # one thread, in row order: the same bits on every run
-                if tx == 0:
-                    bsum = g_s[n_valid - 1]
-                    for i in T.serial(C):
-                        bsum = bsum + kd_s[i]
-                    bound[bc, hv] = bsum
+            if emit_bound:  # a fixed tree over one warp (pairs, then shuffles): the same bits on every run
+                if tx < 32:
+                    bsum = kd_s[2 * tx] + kd_s[2 * tx + 1]
+                    for lvl in T.unroll(5):
+                        bsum = bsum + T.shfl_xor(bsum, 16 >> lvl)
+                    if tx == 0:
+                        bound[bc, hv] = g_s[n_valid - 1] + bsum
 
     return gdn_intra_chunk
