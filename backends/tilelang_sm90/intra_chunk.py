@@ -60,30 +60,37 @@ def _store_rows(src, dst, t0, head, n_valid):
 
 
 @T.macro
-def _assemble_t(dst, b_s, t32a_s, m32_s, t32b_s, tx, scaled):
+def _assemble_t(dst, b_s, t32a_s, m32_s, t32b_s, tx, vals, scaled):
     """dst = T diag(beta) (scaled) or T, from the solve's three 32 x 32 blocks: [[T32_0, 0], [L, T32_1]]. Each
-    thread writes 16-byte pieces of whole 128-byte rows (eight lanes a row), which the tile's swizzle spreads over
-    all banks (a 32 x 32 loop per quadrant wrote 8-byte pieces of half rows: four lanes on a bank), and reads
-    only the block its piece comes from (the condition is the same for the piece's eight entries)."""
+    thread writes 16-byte pieces of whole 128-byte rows (eight lanes a row) and reads only the block its piece
+    comes from (the condition is the same for the piece's eight entries); all its pieces are read (into vals)
+    before the first is stored, since the compiler keeps shared loads after earlier shared stores."""
     H32 = t32a_s.shape[0]
     C = dst.shape[0]
-    for it in T.unroll(C * C // 8 // 128):
+    PIECES = C * C // 8 // 128
+    for it in T.unroll(PIECES):
         r = it * 16 + tx // 8
         c0 = (tx % 8) * 8
         if r < H32:
             if c0 < H32:
                 for v in T.vectorized(8):
-                    dst[r, c0 + v] = t32a_s[r, c0 + v] * (b_s[c0 + v] if scaled else 1.0)
+                    vals[it, v] = t32a_s[r, c0 + v]
             else:
                 for v in T.vectorized(8):
-                    dst[r, c0 + v] = 0.0
+                    vals[it, v] = 0.0
         else:
             if c0 < H32:
                 for v in T.vectorized(8):
-                    dst[r, c0 + v] = m32_s[r - H32, c0 + v] * (b_s[c0 + v] if scaled else 1.0)
+                    vals[it, v] = m32_s[r - H32, c0 + v]
             else:
                 for v in T.vectorized(8):
-                    dst[r, c0 + v] = t32b_s[r - H32, c0 - H32 + v] * (b_s[c0 + v] if scaled else 1.0)
+                    vals[it, v] = t32b_s[r - H32, c0 - H32 + v]
+        if scaled:
+            for v in T.vectorized(8):
+                vals[it, v] = vals[it, v] * b_s[c0 + v]
+    for it in T.unroll(PIECES):
+        for v in T.vectorized(8):
+            dst[it * 16 + tx // 8, (tx % 8) * 8 + v] = vals[it, v]
 
 
 @T.macro
@@ -183,6 +190,9 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             row4 = T.alloc_local((4,), accum)   # levels 0 and 1: four entries of a left operand's row
             rhs4 = T.alloc_local((4,), accum)   # ... and of a right operand's row
             p4 = T.alloc_local((4,), accum)     # ... and of the product's
+            t8a = T.alloc_local((8,), accum)    # a thread's entries of T32_0 and T32_1, read before they are stored
+            t8b = T.alloc_local((8,), accum)
+            tb32 = T.alloc_local((4, 8), accum)   # a thread's 16-byte pieces of T (or Tb) before they are stored
 
             a_f = T.alloc_fragment((C, C), accum)     # A (bf16 wgmma accumulator layout)
             p32 = T.alloc_fragment((H32, H32), accum)
@@ -246,14 +256,19 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             _block_product(o16_s, d16_s, o16_s, tx, 1.0, row4, rhs4, p4, left_blocks=(0, 1), right_blocks=(0, 2))
             _block_product(d16_s, o16_s, o16_s, tx, -1.0, row4, rhs4, p4, left_blocks=(1, 3), right_blocks=(0, 1))
             # the 32 x 32 blocks written a row per warp: 32 lanes on 32 columns, one bank each under the tf32
-            # operands' swizzle (a thread per four columns put four lanes on every bank)
+            # operands' swizzle (a thread per four columns put four lanes on every bank). Every entry is read
+            # before the first is written: the compiler cannot move a shared load above a shared store (one
+            # buffer), so load-store pairs ran one load latency each (ncu, session 14: ~20% of the stall samples)
             for it in T.unroll(H32 * H32 // THREADS):
                 i = it * (THREADS // H32) + tx // H32
                 j = tx % H32
-                t32a_s[i, j] = T.if_then_else(i // BLK == j // BLK, d16_s[i // BLK, i % BLK, j % BLK],
-                                              T.if_then_else(i > j, o16_s[0, i % BLK, j % BLK], 0.0))
-                t32b_s[i, j] = T.if_then_else(i // BLK == j // BLK, d16_s[2 + i // BLK, i % BLK, j % BLK],
-                                              T.if_then_else(i > j, o16_s[1, i % BLK, j % BLK], 0.0))
+                t8a[it] = T.if_then_else(i // BLK == j // BLK, d16_s[i // BLK, i % BLK, j % BLK],
+                                         T.if_then_else(i > j, o16_s[0, i % BLK, j % BLK], 0.0))
+                t8b[it] = T.if_then_else(i // BLK == j // BLK, d16_s[2 + i // BLK, i % BLK, j % BLK],
+                                         T.if_then_else(i > j, o16_s[1, i % BLK, j % BLK], 0.0))
+            for it in T.unroll(H32 * H32 // THREADS):
+                t32a_s[it * (THREADS // H32) + tx // H32, tx % H32] = t8a[it]
+                t32b_s[it * (THREADS // H32) + tx // H32, tx % H32] = t8b[it]
 
             # ---- level 2: T = [[T32_0, 0], [-T32_1 A[32:64, 0:32] T32_0, T32_1]] (two 32 x 32 x 32 tf32 gemms) ----
             T.gemm(a32_s, t32a_s, p32, clear_accum=True)
@@ -263,11 +278,11 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
                 m32_s[i, j] = -p32[i, j]
             # Tb = T diag(beta), assembled from the three blocks, staged in tb_s for every chunk (a tail chunk
             # stores its rows from there as 16-byte vectors)
-            _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, tx, scaled=True)
+            _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, tx, tb32, scaled=True)
             _store_rows(tb_s, a, t0, hv, n_valid)
             if emit_t:  # T itself, through the same staging tile once Tb has left it
                 T.sync_threads()
-                _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, tx, scaled=False)
+                _assemble_t(tb_s, b_s, t32a_s, m32_s, t32b_s, tx, tb32, scaled=False)
                 _store_rows(tb_s, tm, t0, hv, n_valid)
 
             # every row (past n_valid gamma stays at the chunk's last value; the state pass never reads it)
