@@ -124,6 +124,11 @@ def test_intra_chunk_compiles_to_wgmma_and_tma(H, HV, dtype):
     assert "kTensorFloat32" in src
     # full chunks of Tb leave by a TMA store from shared memory, not per-thread global stores
     assert "tma_store(a_desc" in src, "Tb stores did not lower to TMA"
+    # the walks' chunk sums (emit_bound) cost no barrier: a shared store inside the mask's loop put one in each
+    # of its 32 steps
+    with_bound = _source("intra_chunk", H, HV, dtype, emit_bound=True)
+    assert "bound[" in with_bound and "bound[" not in src
+    assert with_bound.count("__syncthreads") == src.count("__syncthreads")
 
 
 # every V tile the forward can pick: 32 and 64 run the three-warpgroup kernel, 128 the pipelined one
@@ -571,9 +576,55 @@ def test_public_api_fp16_options_and_trailing_tokens():
 
 
 # ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
-def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
+@pytest.mark.gpu
+def test_intra_chunk_bound_matches_the_walks_search():
+    """The intra kernel's emit_bound (the walks' chunk sums, warmup.py's bound per chunk-table row and value head)
+    against the search's own sums (warmup_bound._row_bounds_kernel, float64) on a varlen batch with chunk tails,
+    GVA and beta up to 2 (so |1 - beta ||k||^2| > 1 on some tokens); Tb and gamma as without it."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import warmup_bound
+    from gdnkit.backends.tilelang_sm90.forward import intra_chunk_kernel
+
+    H, HV, dev = 2, 8, "cuda"
+    cu_host = [0, 1, 65, 200, 333, 1000]
+    T = cu_host[-1]
+    gen = torch.Generator(device=dev).manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    k = (F.normalize(r(1, T, H, K), dim=-1) * 1.3).to(torch.bfloat16)
+    g = F.logsigmoid(r(1, T, HV)) * 0.2
+    beta = 2 * torch.rand(1, T, HV, generator=gen, device=dev)
+    layout = seqlayout.sequence_layout(torch.tensor(cu_host, device=dev))
+    n = layout.n_chunks
+    outs = []
+    for emit in (False, True):
+        a = torch.full((1, T, HV, 64), float("nan"), device=dev, dtype=torch.bfloat16)
+        gamma = torch.full((HV, n, 64), float("nan"), device=dev)
+        bound = torch.full((n, HV), float("nan"), device=dev) if emit else torch.empty(1, 1, device=dev)
+        tm = torch.empty(1, 1, 1, 1, device=dev, dtype=torch.bfloat16)
+        intra_chunk_kernel(H, HV, "bfloat16", False, emit)(k, g, beta, layout.cu_seqlens, layout.chunk_indices, a,
+                                                          gamma, tm, bound)
+        outs.append((a, gamma, bound))
+    torch.cuda.synchronize()
+    (a0, g0, _), (a1, g1, got) = outs
+    assert torch.equal(a0[:, :T], a1[:, :T]) and torch.equal(g0, g1)   # the bound changes nothing else
+    want = torch.empty(n, HV, dtype=torch.float64, device=dev)
+    starts = torch.tensor([s for a_, b_ in zip(cu_host[:-1], cu_host[1:]) for s in range(a_, b_, 64)], device=dev)
+    ends = torch.tensor([min(s + 64, b_) for a_, b_ in zip(cu_host[:-1], cu_host[1:]) for s in range(a_, b_, 64)],
+                        device=dev)
+    walked = torch.ones(n, dtype=torch.int8, device=dev)
+    warmup_bound._row_bounds_kernel[(n, H)](g, k, beta, starts, ends, walked, want, T, H=H, HV=HV, K=K, GP=4, KP=K,
+                                            num_warps=4)
+    assert not got.isnan().any()
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), (got.double() - want).abs().max()
+
+
+def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm, bound):
     """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, Tb = T diag(beta)
-    rows, and T's rows into tm unless it is the 1-element placeholder."""
+    rows, T's rows into tm and the walks' chunk sums into bound unless each is the 1-element placeholder."""
     grp = g.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
@@ -589,6 +640,81 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm):
                 tm[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tm, (0, 64 - n)).to(tm.dtype)
             gamma[hv, row, :n] = gs.float()
             gamma[hv, row, n:] = gs[-1].float()
+            if bound.numel() > 1:   # warmup.py's bound: g_t + log max(1, |1 - beta_t ||k_t||^2|) summed
+                kn = (kk * kk).sum(1)
+                bound[row, hv] = (gs[-1] + torch.log(torch.clamp((1 - bs * kn).abs(), min=1.0)).sum()).float()
+
+
+def test_wide_route_picked_by_the_longest_walk():
+    """16/64 1x32768 cut in two: a walk of a chunk keeps the wide route (257 wide steps against 512 64-column
+    ones), a slow head's 175-chunk walk sends it to the pass without segments (431 x 1.45 > 512); each pass gets
+    its cu_seqlens (and the wide one its walks) as they are where it is picked, zeros where not."""
+    pytest.importorskip("triton")
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    layout = seqlayout.sequence_layout(torch.tensor([0, 32768]))
+    plan = context_parallel.plan_segments(layout, 256)
+    assert plan.own.tolist() == [256, 256]
+    settle = torch.tensor([[0] * 64, [1] * 64], dtype=torch.int32)
+    slow = settle.clone()
+    slow[1, 5] = 175
+    for walk, wide in ((settle, True), (slow, False)):
+        wide_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk, layout)
+        assert bool(choice) == wide and choice.dtype == torch.bool and choice.dim() == 0
+        assert torch.equal(wide_cu, plan.segments.cu_seqlens if wide else torch.zeros_like(wide_cu))
+        assert torch.equal(wide_walk, walk if wide else torch.zeros_like(walk))
+        assert torch.equal(plain_cu, torch.zeros_like(plain_cu) if wide else layout.cu_seqlens)
+
+
+@pytest.mark.parametrize("picked", ["wide", "plain"])
+@pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
+def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
+    """With the wide route the forward launches both its pass over segments and the 64-column pass without
+    segments, and the device picks one (context_parallel.pick): the other runs over empty sequences. Either pick
+    gives the plain path's output and final states (float64 stand-ins of the kernels)."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    monkeypatch.setattr(fwd, "BLOCK_V", None)
+    calls = []
+    _stand_in_forward_kernels(monkeypatch, fwd, calls)
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2)   # the wide route, on a CPU
+    monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0 if picked == "wide" else 1e9)
+    launched = []   # per state-pass launch: (chained, whether any of its sequences has a token)
+    factory = fwd.state_output_kernel
+
+    def recording(*args):
+        kernel, chained = factory(*args), args[-1]
+        return lambda *a: launched.append((chained, bool(a[5].diff().any()))) or kernel(*a)
+    monkeypatch.setattr(fwd, "state_output_kernel", recording)
+
+    gen = torch.Generator().manual_seed(3)
+    H, HV, T, N = 1, 2, sum(lengths) + 5, len(lengths)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).half()
+    k = F.normalize(r(1, T, H, K), dim=-1).half()
+    v, g = r(1, T, HV, V).half(), F.logsigmoid(r(1, T, HV)) * torch.tensor((3.0, 1e-3))   # one head barely decays
+    beta = torch.rand(1, T, HV, generator=gen)
+    h0 = r(N, HV, K, V) * 0.1 if state else None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      cu_seqlens=cu)
+    got = {}
+    o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
+    assert got["context_parallel"] == "chained" and got["wide_segments"]
+    assert bool(got["wide_choice"]) == (picked == "wide")
+    assert sorted(launched) == sorted([(True, picked == "wide"), (False, picked == "plain")]), launched
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                               output_final_state=True, cu_seqlens=cu)
+    ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    assert _rel(o, ref_o) < 2e-3 and _rel(ht, ref_ht) < 1e-3
+    assert o[:, sum(lengths):].abs().max() == 0
+    _assert_in_family(calls, H, HV, "float16", training=False)
 
 
 def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chained=False):
@@ -736,7 +862,7 @@ def _recorded(calls: list, name: str, factory):
 
 def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
     monkeypatch.setattr(fwd, "intra_chunk_kernel", _recorded(calls, "intra_chunk_kernel",
-                                                             lambda H, HV, dt, emit_t=False: _intra_stand_in))
+                                                             lambda H, HV, dt, emit_t=False, emit_bound=False: _intra_stand_in))
     monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
         calls, "state_output_kernel",
         lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False:
@@ -779,8 +905,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         (reverse, real_needed(*a, reverse=reverse).tolist())) or real_needed(*a, reverse=reverse))
     walks = []   # the chained routes' walks: (chunks per segment and head, reverse)
     real_walks = bwd.warmup.walk_lengths
-    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False: walks.append(
-        (real_walks(*a, reverse=reverse).tolist(), reverse)) or real_walks(*a, reverse=reverse))
+    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, row_sums=None: walks.append(
+        (real_walks(*a, reverse=reverse, row_sums=row_sums).tolist(), reverse))
+        or real_walks(*a, reverse=reverse, row_sums=row_sums))
     calls = []
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
@@ -991,8 +1118,17 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     (8, 32, 32768, None, 1.0, True, "wide", True),
     (8, 32, 32768, None, 1e-3, True, "wide", False),
     (2, 8, 65536 + 37, None, "mixed", True, "wide", "mixed"),
+    # short sequences: 2/8 2000 tokens in 2-chunk segments (a tail chunk of 16): the wide pass where every head
+    # settles, the plain one picked with mixed gates
+    (2, 8, 2000, None, 1.0, True, "wide", True),
+    (2, 8, 2000, None, "mixed", True, "wide", "mixed"),
+    # where the 64-column pass without segments fills the SMs too, the device picks: the wide route where every
+    # head settles at once, the pass without segments where half the heads walk far
+    (16, 64, 32768, None, 1.0, True, "wide", True),
+    (16, 64, 32768, None, "mixed", True, "wide", "mixed"),
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
-        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates"])
+        "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short", "wide-short-mixed-gates",
+        "wide-16-64-picked", "wide-16-64-plain"])
 def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
@@ -1010,6 +1146,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segment_chunks)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", warmup_on)
     monkeypatch.setattr(context_parallel, "WIDE_ROUTE", route == "wide")
+    if route == "wide" and settled is False:   # the wide pass's long walks: made to be picked over the plain pass
+        monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0)
     if route == "chained" and segment_chunks:
         monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
     dev = "cuda"
@@ -1035,6 +1173,13 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         assert got["context_parallel"] == ("chained" if wide else route) and got["wide_segments"] == wide
         if route == "gated":
             assert (int(got["transitions_needed"].sum()) == 0) == settled
+        if wide:   # the device's pick (context_parallel.pick): the pass without segments where half the heads
+            # walk far enough that the longest program, in wide steps, outlasts the longest sequence
+            walk, own = got["walk_lengths"], context_parallel.plan_segments(layout, seg).own
+            longest_program = float((walk + own.to(walk.device)[:, None]).max()) * context_parallel.WIDE_STEP_RATIO
+            assert bool(got["wide_choice"]) == (longest_program < -(-T // 64))
+            if T < 4096:   # short sequences: the slow heads walk to the start, so the pick follows the gates
+                assert bool(got["wide_choice"]) == (settled != "mixed")
         if route in ("chained", "wide"):   # decaying heads walk one chunk, barely decaying ones far (e^-12 takes ~240 chunks)
             walk, before = got["walk_lengths"], context_parallel.plan_segments(layout, seg).walks.before[:, None]
             short, far = walk == before.clamp_max(1), (walk > 1) | (before <= 1)
@@ -1079,8 +1224,14 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (8, 32, [32768], 128),
     (16, 64, [32768], 256),     # 2 segments
     (2, 8, [4096] * 8, 32),     # 64 sequence-head pairs: each sequence in 2
-    (2, 8, [8192], None),       # 32-chunk segments leave 32 pairs: not enough for the wide pass
-    (16, 64, [2048], None),     # a segment would be the whole sequence
+    (2, 8, [8192], 8),          # 16 segments of 8 chunks
+    (2, 8, [2048], 2),          # short sequences too, down to 2-chunk segments (WIDE_MIN_SEGMENT_CHUNKS)
+    (4, 16, [2048], 4),
+    (8, 32, [2048], 8),
+    (16, 64, [2048], None),     # 128 programs of the 64-column pass fill the SMs already: long segments only
+    (16, 64, [4096], 32),
+    (2, 8, [128], None),        # 2 chunks: one segment would be the whole sequence
+    (2, 8, [2048] * 4, 8),      # 32 pairs: 4 segments each
     (4, 16, [4096] * 8, None),  # 128 pairs already fill 70% of the SMs: the wide pass without segments
     (16, 64, [4096] * 8, None),
 ])

@@ -183,11 +183,12 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                         T.wgmma_gemm(q_s[s, :, :], do_s[s, :, :], dS, transpose_A=True)        # + Q^T s Gamma dO
                         T.barrier_wait(w_ready, i % 2)
                         T.barrier_wait(du_ready, i % 2)
+                        T.wait_wgmma(0)                # Q^T dO has read the stage: the next load may take it
+                        T.barrier_arrive(freed[s])
                         T.wgmma_gemm(w_s, du_s, dS, transpose_A=True)                        # - W^T dU
                         T.wait_wgmma(0)
                         T.barrier_arrive(du_free)
                         T.barrier_arrive(w_free)
-                        T.barrier_arrive(freed[s])
                     if store_dh0:
                         T.copy(dS, dh0[n, hv, 0:K, 0:V])
                 elif tx < 256:
@@ -240,10 +241,17 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                         if i >= post:  # the program's own chunks: the walk's are another program's to store
                             T.copy(ds_s, dh[c0 + ci, hv, 0:K, 0:V])
                         T.barrier_arrive(ds_free)
-                        # dX = Tb^T dU (dV) into -W's accumulator, dead since its store; the dU and dV stores
+                        # dX = Tb^T dU (dV) into -W's accumulator, dead since its store; Tb is the last stage tile
+                        # the side reads, so the stage is released and the next load issued before the dU and dV
+                        # stores
                         T.barrier_wait(du_ready, i % 2)
                         T.wgmma_gemm(a_s[s, :, :], du_s, acc_w, transpose_A=True, clear_accum=True)
                         T.wait_wgmma(0)
+                        T.barrier_arrive(freed[s])
+                        T.barrier_wait(freed[s], (i // STAGES) % 2)
+                        if i + STAGES < n_chunks:
+                            load(q, k, a, do, gamma, q_s, k_s, a_s, do_s, g_s, loaded, bos, c0, n_chunks,
+                                 hk, hv, i + STAGES, s)
                         if i >= post:
                             if n_valid == C:
                                 T.copy(du_s, du[0, t0:t0 + C, hv, 0:V])
@@ -256,10 +264,5 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                                         du[0, t0 + r, hv, j] = du_s[r, j]
                                         dv[0, t0 + r, hv, j] = acc_w[r, j]
                         T.barrier_arrive(du_free)
-                        T.barrier_arrive(freed[s])
-                        T.barrier_wait(freed[s], (i // STAGES) % 2)
-                        if i + STAGES < n_chunks:
-                            load(q, k, a, do, gamma, q_s, k_s, a_s, do_s, g_s, loaded, bos, c0, n_chunks,
-                                 hk, hv, i + STAGES, s)
 
     return gdn_backward_state_wide

@@ -22,7 +22,9 @@ state (ALGORITHM.md section 4), found by one of these routes:
         before its own (from h0 / dht where the walk reaches the sequence's boundary: exact): a segment never
         costs more than its sequence without segments, and nothing is read back.
     wide (inference, before the others where it applies: wide_segment_chunks): the chained route with one
-        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs.
+        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs; the
+        64-column pass without segments is launched beside it, and the device picks which of the two runs
+        (pick): behind heads that barely decay the segments' walks would cost more than the plain pass.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -46,6 +48,12 @@ SEGMENT_CHUNKS = None
 # segments; 1x8192: 16 and 32 chunks within 2%) while the extra launches cost ~0.6 ms of host time per
 # eager call (2/8 1x2048: 0.79 ms eager against 0.07 of device time, run 5).
 MIN_SEGMENT_CHUNKS = 32
+# The wide route's floor (wide_segment_chunks). Its cost per segment is a program and a walk of a chunk or two
+# where gates settle, not a propagator and a scan step, so short sequences may take it too: 2/8 1x2048 in 16
+# segments of 2 chunks is 128 programs of ~3 wide steps, where the 64-column pass without segments walks 32
+# chunks on 16 SMs (0.051 of that point's 0.064 ms, session 13's stages). Not yet timed (session 13 ran out of
+# device time): JOURNAL has the prediction.
+WIDE_MIN_SEGMENT_CHUNKS = 2
 # Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program,
 # i.e. at most ~half the SMs busy without it. H200, 2026-11-29 (session 5, after the row-decay and block-solve
 # changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
@@ -59,6 +67,11 @@ WARMUP_SMS_PER_PROGRAM = 1
 WARMUP_ROUTE = True
 # False: inference segments take the routes above at 32 / 64 columns, not the wide one (tests of those routes)
 WIDE_ROUTE = True
+# The wide pass's chunk-step over the 64-column pass's, each at one program per SM (H200, session 12: ~2.9 vs
+# ~2.0 us): the wide route pays only while its longest program (own chunks + walk) takes fewer than (longest
+# sequence's chunks) / this steps (pick). With few plain programs (short sequences, few heads) the 64-column
+# step is shorter than that and the ratio flatters the wide route; not yet calibrated there.
+WIDE_STEP_RATIO = 1.45
 
 
 def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
@@ -94,9 +107,31 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     if per_sequence < 2:
         return None
     chunks = [-(-n // CHUNK) for n in layout.lengths]
-    seg = max(MIN_SEGMENT_CHUNKS, math.ceil(max(chunks, default=0) / per_sequence))
+    seg = max(WIDE_MIN_SEGMENT_CHUNKS, math.ceil(max(chunks, default=0) / per_sequence))
+    # where the 64-column pass without segments fills the SMs by itself (two programs per pair), the wide route
+    # gains only a shorter walk, which short segments do not buy back: 16/64 1x2048 in 16-chunk segments 0.106
+    # against 0.109 ms with gates that settle, 0.120 with model gates (the plain pass picked behind the pick's
+    # launches; H200, session 14's run A). Long segments there gain a third (16/64 1x32768: 1.30 against 1.55).
+    if 2 * pairs >= fill * sms and seg < MIN_SEGMENT_CHUNKS:
+        return None
     # sequences too short for segments that fill the SMs keep the other routes (the wide pass needs the pairs)
     return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
+
+
+def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout):
+    """The device's pick between the wide route's pass over segments and the 64-column pass over whole
+    sequences, both launched behind it (forward.py), each over its own cu_seqlens: (the wide pass's cu_seqlens
+    and walks, the plain pass's cu_seqlens, a 0-dim bool: wide). The wide route is picked while its longest
+    program (own chunks plus walk, in wide steps, WIDE_STEP_RATIO of a 64-column step) is shorter than the longest
+    sequence: with gates that settle in a chunk it is (16/64 1x32768: 257 wide steps against 512); behind heads
+    that barely decay (model-like gates: 76-175 chunks to e^-12) the segments walk far and the plain pass wins
+    (16/64 1x32768: 1.90 against 1.55 ms, session 12's run H; short sequences the more: a segment may walk to
+    the sequence's start). The pass not picked runs over empty sequences; nothing is read back, so a CUDA graph
+    captures both launches. One Triton launch (warmup_bound.pick_wide): the pick as torch ops and where-masks
+    cost ~20-26 us of launches (session 13's run A)."""
+    from .warmup_bound import pick_wide
+    longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
+    return pick_wide(walk, plan.own, plan.segments.cu_seqlens, layout.cu_seqlens, longest, WIDE_STEP_RATIO)
 
 
 def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:
@@ -135,6 +170,7 @@ class SegmentPlan:
     window: int                      # the gated route's warm-up length in chunks (warmup.window)
     gated: tuple                     # its launches (warmup.WarmupRun): forward, reverse (the backward's)
     walks: Walks                     # the chained route's segment tables
+    own: torch.Tensor                # [n_seg] int32: each segment's own chunks
 
 
 @functools.lru_cache(maxsize=32)
@@ -154,7 +190,7 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
     walks = Walks(i32(tables.before_host), i32(tables.after_host), i32(tables.seq_ends_host),
                   torch.tensor(tables.seq_of, dtype=torch.int64, device=dev))
-    return SegmentPlan(segments, chunk_offsets, tables, window, gated, walks)
+    return SegmentPlan(segments, chunk_offsets, tables, window, gated, walks, chunk_offsets.diff())
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,

@@ -99,7 +99,14 @@ def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int |
     return _segment_chunks(layout, HV, device), False
 
 
-def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates, wide: bool):
+def _takes_chained_route(layout, HV: int, device: torch.device, wide: bool) -> bool:
+    """Whether segments (cut) get their initial states by the chained route (_initial_states)."""
+    return chained_route_available() and (wide or not context_parallel.exact_route_pays(layout, HV,
+                                                                                       _sm_count_of(device)))
+
+
+def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates, wide: bool,
+                    row_bounds: torch.Tensor | None = None):
     """(the segments' initial states, the route, the chained route's walks or None), or (None, None, None) for
     no segments; nothing is read back, so CUDA graphs capture every route. Where the exact route pays
     (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length for every segment, the
@@ -107,14 +114,15 @@ def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem,
     behind it and run only for those (the segment scan takes each warm state or the transition's); the initial
     states are [n_seg, HV, K, V] fp32. Elsewhere the chained route: the walks (warmup.walk_lengths) go to the
     pass over segments, whose programs warm up inline (state_output_ws.py); the initial states are each segment's
-    sequence's h0 (None without one), for walks that reach the sequence's start. wide: the chained route always."""
+    sequence's h0 (None without one), for walks that reach the sequence's start. wide: the chained route always.
+    row_bounds: the walks' chunk sums as the intra kernel wrote them (emit_bound), else the search sums them."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
     pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
     if wide or not pays:
         if not chained_route_available():
             return None, None, None
-        walk = warmup.walk_lengths(plan.warmup, g, k, beta)
+        walk = warmup.walk_lengths(plan.warmup, g, k, beta, row_sums=row_bounds)
         if intermediates is not None:
             intermediates.update(walk_lengths=walk)
         init = None if h0 is None else h0.index_select(0, plan.walks.seq_of)
@@ -201,9 +209,9 @@ def _jit():
 
 
 @functools.lru_cache(maxsize=None)
-def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False):
+def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False, emit_bound: bool = False):
     """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
-    return _jit()[0](H, HV, dtype, emit_t=emit_t)
+    return _jit()[0](H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
 
 
 def _tma_aligned(x: torch.Tensor) -> torch.Tensor:
@@ -349,19 +357,31 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             a[:, layout.offsets[-1]:] = 0
             if KEEP_STATES:
                 hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
-        intra_chunk_kernel(H, HV, dt, train)(k, g, beta, layout.cu_seqlens, chunk_table, a, gamma, tm)
         seg, wide = _segments(layout, HV, dev, train)
+        # inference's chained and wide routes take the walks' chunk sums from the intra kernel (emit_bound)
+        row_bounds = torch.empty(layout.n_chunks, HV, device=dev, dtype=torch.float32) \
+            if seg and not train and _takes_chained_route(layout, HV, dev, wide) else None
+        bound = torch.empty(1, 1, device=dev, dtype=torch.float32) if row_bounds is None else row_bounds
+        intra_chunk_kernel(H, HV, dt, train, row_bounds is not None)(k, g, beta, layout.cu_seqlens, chunk_table, a,
+                                                                    gamma, tm, bound)
         route = None
         if seg:
             # context parallelism: every segment's initial state (_initial_states), then the output pass over
             # segments, which also leaves each sequence's final state in its last segment
             plan = context_parallel.plan_segments(layout, seg)
-            s0, route, walk = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates, wide)
+            s0, route, walk = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates, wide,
+                                              row_bounds)
         if route:
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
                 if problem.output_final_state else None
-            states = StateLaunch(plan.segments.cu_seqlens, plan.chunk_offsets, s0, n_seg, walk)
+            seg_cu, choice = plan.segments.cu_seqlens, None
+            if wide:
+                # the device picks the wide route or the 64-column pass without segments (context_parallel.pick):
+                # both are launched, the one not picked over empty sequences (its programs exit at once)
+                seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout)
+                walk = (wide_walk, walk[1])
+            states = StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
@@ -369,6 +389,13 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                 empty = [n for n, length in enumerate(layout.lengths) if length == 0]
                 if empty:
                     ht[empty] = 0.0 if h0 is None else h0[empty]
+            if choice is not None:
+                ht_plain = None if ht is None else torch.empty_like(ht)
+                plain = StateLaunch(plain_cu, layout.chunk_offsets, h0, N)
+                _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=_plan_block_v(N, HV, dev))
+                ht = None if ht is None else torch.where(choice, ht, ht_plain)
+                if intermediates is not None:
+                    intermediates.update(wide_choice=choice)
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             states = StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N)

@@ -36,7 +36,8 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
     from .forward import WS_BLOCK_V
 
     flags = (False, True)
-    jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False))]
+    # the last flag: emit_bound (the chained and wide routes' walks read the intra kernel's chunk sums)
+    jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False, bound)) for bound in flags]
     # the last flag: chained (context parallelism's chained route)
     jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained))
              for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
@@ -45,7 +46,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
              for h0, ht, chained in itertools.product(flags, flags, flags)]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
-        jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True)))
+        jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True, False)))
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained))
                  for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags)]  # recompute
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES

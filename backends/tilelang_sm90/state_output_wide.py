@@ -10,7 +10,8 @@ and one hand-over each way, where the Tb form needs three products and two eleme
     owner    (threads   0-127)  S [K, V] fp32 in registers. Per chunk, while x works: S <- Gamma_C S and
                                 K_d into shared memory; then S += K_d^T U; hands the next chunk its bf16 S
     x        (threads 128-255)  U = U' - W S (U' in its accumulator from the step before), masked to the
-                                chunk's rows; hands U over; then chunk i + 1's W (stored negated) and U'
+                                chunk's rows; hands U over; then chunk i + 1's W (kept negated in registers,
+                                the A operand of W S) and U'
     output   (threads 256-383)  O = scale (diag(Gamma) Q S + (Q K^T (.) D_incl) U); a full chunk's O leaves by
                                 TMA store staged in U's slot. And the loads: TMA of Q, K, Tb, V and gamma of
                                 chunk i + STAGES into stage i % STAGES once the three roles are done with chunk
@@ -22,11 +23,11 @@ of 96), which is what limits 128 programs of the 64-column kernel together (~3.8
 
 Registers: ptxas caps every role's code at 65536 / threads (168 at 384 threads; setmaxnreg only moves registers
 at run time), which is why there is no producer warpgroup: a fourth would cap the owner, whose S alone is 128
-registers a thread, at 128. x holds one [64, 128] accumulator (U', then U; W's is dead before U' starts).
+registers a thread, at 128. x holds one [64, 128] accumulator (W, then U', then U) and -W in bf16 (32 more).
 Shared memory (bytes): 2 stages x (Q 16K + K 16K + Tb 8K + V 16K + gamma 256) = 115200; bf16 S, one slot (read
 by x's W S and the output's Q S; the owner writes the next S once both are done) 32768; U, two slots (read by
-the owner and the output, then O's staging) 32768; -W 16384; Tb diag(Gamma) 8192; K_d 16384; the gammas' two
-exponential vectors 512: 222208.
+the owner and the output, then O's staging) 32768; Tb diag(Gamma) 8192; K_d 16384; the gammas' two exponential
+vectors 512: 205824.
 
 Barriers (stage slot s = i % STAGES, U slot h = i % 2; parity (i // slots) % 2, flipped for "free"):
     loaded[s]   output's TMA -> all three roles         freed[s]   owner, x, output -> the output's next load (384)
@@ -113,7 +114,6 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
             g_s = T.alloc_shared((STAGES, C), accum)
             s_s = T.alloc_shared((K, V), dtype)           # bf16 S of chunk i: x's W S, the output's Q S
             u_s = T.alloc_shared((2, C, V), dtype)        # U of chunk i: the owner's K_d^T U, the output's P U
-            w_s = T.alloc_shared((C, K), dtype)           # -W of the chunk x works on next
             ag_s = T.alloc_shared((C, C), dtype)          # Tb diag(Gamma), W's left operand
             kd_s = T.alloc_shared((C, K), dtype)          # K_d = diag(Gamma_C / Gamma) K
             ex_s = T.alloc_shared((C,), accum)            # x: Gamma (0 past the chunk's rows)
@@ -121,6 +121,7 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
 
             S = T.alloc_fragment((K, V), accum)           # owner
             acc_u = T.alloc_fragment((C, V), accum)       # x: W, then U', then U
+            w_f = T.alloc_fragment((C, K), dtype)         # x: -W of the chunk it works on next (W S's A operand)
             acc_o = T.alloc_fragment((C, V), accum)       # output
             qk = T.alloc_fragment((C, C), accum)
             p = T.alloc_fragment((C, C), dtype)
@@ -172,12 +173,13 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
             elif tx < 256:
                 # ---- x: W and U' of the next chunk off the chain, U = U' - W S on it ----
                 T.clear(acc_u)                                # read (as U') only after chunk 0's is made
+                T.clear(w_f)                                  # (likewise -W)
                 for i in T.serial(n_chunks + 1):
                     if i > 0:
                         h = (i - 1) % 2
                         n_valid = T.min(eos - bos_run - (i - 1) * C, C)
                         T.barrier_wait(s_ready, (i - 1) % 2)
-                        T.wgmma_gemm(w_s, s_s, acc_u)                                  # U' + (-W) S
+                        T.wgmma_gemm(w_f, s_s, acc_u)                                  # U' + (-W) S
                         T.wait_wgmma(0)
                         T.barrier_arrive(s_free)
                         T.barrier_wait(u_free[h], (((i - 1) // 2) % 2) ^ 1)
@@ -196,9 +198,11 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
                         T.fence_proxy_async()
                         T.wgmma_gemm(ag_s, k_s[s, :, :], acc_u, clear_accum=True)       # W = Tb diag(Gamma) K
                         T.wait_wgmma(0)
+                        # -W stays in registers, laid out as W S's A operand (the accumulator's own layout):
+                        # through shared memory its 16 KB store took ~590 clocks of x's ~5000-clock step (clock64
+                        # trace, session 12)
                         for r, c in T.Parallel(C, K):
-                            w_s[r, c] = -acc_u[r, c]
-                        T.fence_proxy_async()
+                            w_f[r, c] = -acc_u[r, c]
                         T.wgmma_gemm(a_s[s, :, :], v_s[s, :, :], acc_u, clear_accum=True)  # U' = Tb V
                         T.wait_wgmma(0)
                         T.barrier_arrive(freed[s])

@@ -160,13 +160,14 @@ def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: 
 
 
 def walk_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
-                 reverse: bool = False) -> torch.Tensor:
+                 reverse: bool = False, row_sums: torch.Tensor | None = None) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: per segment and value head, the fewest whole chunks before the segment
     (after it with reverse) whose bound is <= LOG_BOUND -- run from zero, they give the segment's initial state
     (dS_end) within e^LOG_BOUND -- or all of them to the sequence's start (end): then exact, from h0 (dht). The
-    chained route's walks (state_output_ws.py, backward_state.py); nothing is read back."""
+    chained route's walks (state_output_ws.py, backward_state.py); nothing is read back. row_sums: the bound
+    summed per chunk-table row, [n_chunks, HV] fp32, where the intra kernel wrote it (emit_bound)."""
     from .warmup_bound import walk_lengths as search
-    return search(t, g, k, beta, reverse, LOG_BOUND)
+    return search(t, g, k, beta, reverse, LOG_BOUND, row_sums)
 
 
 def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,

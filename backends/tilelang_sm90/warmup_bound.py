@@ -123,7 +123,7 @@ def _walks_kernel(sums, base, before, after, walk, HV: tl.constexpr, HVP: tl.con
         mm = m0 + tl.arange(0, BM).to(tl.int64)
         inside = (mm < avail)[:, None] & mh[None, :]
         rows = row0 + mm if REVERSE else row0 - 1 - mm
-        blk = tl.load(sums + rows[:, None] * HV + hv[None, :], mask=inside, other=0.0)
+        blk = tl.load(sums + rows[:, None] * HV + hv[None, :], mask=inside, other=0.0).to(tl.float64)
         run = tl.cumsum(blk, 0) + carry[None, :]
         hit = tl.min(tl.where(inside & (run <= LOG_BOUND), mm[:, None] + 1, avail), 0)
         first = tl.minimum(first, hit)
@@ -161,15 +161,19 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
 
 
 def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, reverse: bool,
-                 log_bound: float) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract) from the plan's warmup.WarmupTables t."""
+                 log_bound: float, row_sums: torch.Tensor | None = None) -> torch.Tensor:
+    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract) from the plan's warmup.WarmupTables t;
+    row_sums: the chunk sums per chunk-table row as the intra kernel wrote them (its emit_bound), else they are
+    summed here."""
     n_seg, n_rows = t.starts.shape[0], t.row_starts.shape[0]
     _, n_tok, HV = g.shape
     H, K = k.shape[2], k.shape[3]
     walk = torch.empty(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
-        sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
-        if n_rows:
+        sums = row_sums
+        if sums is None:
+            sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
+        if n_rows and row_sums is None:
             _row_bounds_kernel[(n_rows, H)](g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)], sums, n_tok,
                                             H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
                                             KP=triton.next_power_of_2(K), num_warps=4)
@@ -177,3 +181,46 @@ def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, revers
                                 HVP=triton.next_power_of_2(HV), BM=64, REVERSE=reverse, LOG_BOUND=log_bound,
                                 num_warps=4)
     return walk
+
+
+@triton.jit
+def _pick_kernel(walk, own, seg_cu, cu, wide_cu, wide_walk, plain_cu, choice, n_seg, n_cu, longest, ratio,
+                 HV: tl.constexpr, HVP: tl.constexpr, BS: tl.constexpr):
+    """One program: wide = max over (segment, head) of (own chunks + walk) * ratio < longest; then the wide
+    route's cu_seqlens and walks (kept where wide, zero where not) and the plain pass's cu_seqlens (zero where
+    wide): each pass launched behind it runs only where it was picked, and nothing is read back."""
+    hv = tl.arange(0, HVP)
+    mh = hv < HV
+    worst = tl.full([], 0, tl.int32)
+    for j0 in range(0, n_seg, BS):
+        j = j0 + tl.arange(0, BS)
+        mj = j < n_seg
+        w = tl.load(walk + j[:, None] * HV + hv[None, :], mask=mj[:, None] & mh[None, :], other=0)
+        o = tl.load(own + j, mask=mj, other=0)
+        worst = tl.maximum(worst, tl.max(tl.max(w + o[:, None], 1), 0))
+    wide = worst.to(tl.float32) * ratio < longest
+    tl.store(choice, wide)
+    for j0 in range(0, n_seg, BS):
+        j = j0 + tl.arange(0, BS)
+        m = (j < n_seg)[:, None] & mh[None, :]
+        w = tl.load(walk + j[:, None] * HV + hv[None, :], mask=m, other=0)
+        tl.store(wide_walk + j[:, None] * HV + hv[None, :], tl.where(wide, w, 0), mask=m)
+    for j0 in range(0, n_seg + 1, BS):
+        j = j0 + tl.arange(0, BS)
+        mj = j < n_seg + 1
+        tl.store(wide_cu + j, tl.where(wide, tl.load(seg_cu + j, mask=mj, other=0), 0), mask=mj)
+    for j0 in range(0, n_cu, BS):
+        j = j0 + tl.arange(0, BS)
+        mj = j < n_cu
+        tl.store(plain_cu + j, tl.where(wide, 0, tl.load(cu + j, mask=mj, other=0)), mask=mj)
+
+
+def pick_wide(walk: torch.Tensor, own: torch.Tensor, seg_cu: torch.Tensor, cu: torch.Tensor, longest: int,
+              ratio: float):
+    """(wide_cu, wide_walk, plain_cu, choice) on the device (context_parallel.pick's contract), one launch."""
+    n_seg, HV = walk.shape
+    wide_cu, wide_walk, plain_cu = torch.empty_like(seg_cu), torch.empty_like(walk), torch.empty_like(cu)
+    choice = torch.empty((), dtype=torch.bool, device=walk.device)
+    _pick_kernel[(1,)](walk, own, seg_cu, cu, wide_cu, wide_walk, plain_cu, choice, n_seg, cu.shape[0],
+                       float(longest), float(ratio), HV=HV, HVP=triton.next_power_of_2(HV), BS=64, num_warps=4)
+    return wide_cu, wide_walk, plain_cu, choice
