@@ -220,7 +220,8 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             # Scaled for every entry first, masked after: the loads of beta and g are then unconditional, so each
             # thread reads its 2 rows and 16 columns once (scaled under the mask, they were predicated loads per
             # entry, ~3 of 32 entries a thread: the most shared-memory requests of the kernel). The exponent is
-            # capped where the mask drops the entry anyway (i < j: g_i - g_j can be large), so nothing overflows.
+            # capped at 80 so the entries the mask drops (i < j: g_i - g_j can be large) cannot overflow; a kept
+            # entry reaches the cap only if its gates grow the state by e^80 within the chunk.
             for i, j in T.Parallel(C, C):
                 a_f[i, j] = a_f[i, j] * b_s[i] * T.exp(T.min(g_s[i] - g_s[j], 80.0))
             for i, j in T.Parallel(C, C):
@@ -263,16 +264,17 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             # operands' swizzle (a thread per four columns put four lanes on every bank). Every entry is read
             # before the first is written: the compiler cannot move a shared load above a shared store (one
             # buffer), so load-store pairs ran one load latency each (ncu, session 14: ~20% of the stall samples)
+            j = tx % H32
             for it in T.unroll(H32 * H32 // THREADS):
                 i = it * (THREADS // H32) + tx // H32
-                j = tx % H32
                 t8a[it] = T.if_then_else(i // BLK == j // BLK, d16_s[i // BLK, i % BLK, j % BLK],
                                          T.if_then_else(i > j, o16_s[0, i % BLK, j % BLK], 0.0))
                 t8b[it] = T.if_then_else(i // BLK == j // BLK, d16_s[2 + i // BLK, i % BLK, j % BLK],
                                          T.if_then_else(i > j, o16_s[1, i % BLK, j % BLK], 0.0))
             for it in T.unroll(H32 * H32 // THREADS):
-                t32a_s[it * (THREADS // H32) + tx // H32, tx % H32] = t8a[it]
-                t32b_s[it * (THREADS // H32) + tx // H32, tx % H32] = t8b[it]
+                i = it * (THREADS // H32) + tx // H32
+                t32a_s[i, j] = t8a[it]
+                t32b_s[i, j] = t8b[it]
 
             # ---- level 2: T = [[T32_0, 0], [-T32_1 A[32:64, 0:32] T32_0, T32_1]] (two 32 x 32 x 32 tf32 gemms) ----
             T.gemm(a32_s, t32a_s, p32, clear_accum=True)

@@ -173,10 +173,10 @@ def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, revers
         sums = row_sums
         if sums is None:
             sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
-        if n_rows and row_sums is None:
-            _row_bounds_kernel[(n_rows, H)](g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)], sums, n_tok,
-                                            H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
-                                            KP=triton.next_power_of_2(K), num_warps=4)
+            if n_rows:
+                _row_bounds_kernel[(n_rows, H)](g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)], sums,
+                                                n_tok, H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
+                                                KP=triton.next_power_of_2(K), num_warps=4)
         _walks_kernel[(n_seg,)](sums, t.end_rows if reverse else t.chunk_rows, t.before, t.after, walk, HV=HV,
                                 HVP=triton.next_power_of_2(HV), BM=64, REVERSE=reverse, LOG_BOUND=log_bound,
                                 num_warps=4)
