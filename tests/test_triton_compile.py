@@ -27,11 +27,14 @@ CAPABILITIES = (80, 90)
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0", "warm"}
-INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk"}
+INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
+              # the wide route's pick (warmup_bound._pick_kernel): int32 segment tables and cu_seqlens
+              "own", "seg_cu", "cu", "wide_cu", "wide_walk", "plain_cu"}
 # tilelang_sm90's warm-up flags (warmup_bound.py): int64 segment and row tables, int8 row flags, float64 sums, int
 # scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base"}
-INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride"}
+INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu"}
+FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
 KERNELS = {
@@ -62,6 +65,7 @@ KERNELS = {
                      dict(HV=8, HVP=8, BM=64, REVERSE=True, LOG_BOUND=-12.0)),
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
                      dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
+    "wide_pick": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its
 # launch-table name, its KERNELS entry, compile-time arguments that differ from that entry)
@@ -86,7 +90,9 @@ def _signature(fn, constexprs: dict) -> dict:
             sig[name] = "*i64" if name in INT64_ARGS else "*fp64"
         elif name == "walked":
             sig[name] = "*i8"
-        elif name == "scale":
+        elif name == "choice":
+            sig[name] = "*i1"
+        elif name in FP32_SCALARS:
             sig[name] = "fp32"
         else:
             sig[name] = "*i32" if name in INDEX_ARGS else "*fp32" if name in FP32_ARGS else "*bf16"
