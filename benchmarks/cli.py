@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Default: quick on a GPU, tiny on a CPU")
     p.add_argument("--passes", default="fwd,bwd,decode", help="comma list of fwd, bwd, decode")
     p.add_argument("--heads", default=None, help="only these head configs, as HxHV comma list, e.g. 4x8,16x32")
+    p.add_argument("--mixes", default=None,
+                   help="only these sequence mixes, comma list of their labels, e.g. 1x32768,28672+4096")
     p.add_argument("--impls", default="all",
                    help="all | comma list of gdnkit, gdnkit:<backend>, fla, flashqla (default all; on a GPU "
                         "'gdnkit' leaves out the slow PyTorch reference)")
@@ -107,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown pass(es) {bad}; choose from {', '.join(PASSES)}", file=sys.stderr)
         return 2
     grid_name = args.grid or ("quick" if device.type == "cuda" else "tiny")
-    grid = grids.get_grid(grid_name).select(passes=passes, heads=_parse_heads(args.heads))
+    mixes = None if args.mixes is None else set(args.mixes.split(","))
+    grid = grids.get_grid(grid_name).select(passes=passes, heads=_parse_heads(args.heads), mixes=mixes)
     if not grid.points:
         print("no grid points selected", file=sys.stderr)
         return 2

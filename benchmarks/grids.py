@@ -63,11 +63,13 @@ class Grid:
     accuracy_seqlens: tuple[int, ...]
     accuracy_decode_B: int
 
-    def select(self, passes=None, heads=None) -> "Grid":
-        """The same grid restricted to some passes and/or (H, HV) head configs, the passes in the order
-        given (so a run under a time budget measures the passes it names first)."""
+    def select(self, passes=None, heads=None, mixes=None) -> "Grid":
+        """The same grid restricted to some passes, (H, HV) head configs and/or sequence mixes (labels as
+        seqlens_label writes them, e.g. "28672+4096"), the passes in the order given (so a run under a time
+        budget measures the passes it names first)."""
         keep = [p for p in self.points
-                if (passes is None or p.pass_ in passes) and (heads is None or (p.H, p.HV) in heads)]
+                if (passes is None or p.pass_ in passes) and (heads is None or (p.H, p.HV) in heads)
+                and (mixes is None or p.label in mixes)]
         if passes is not None:
             order = list(passes)
             keep.sort(key=lambda p: order.index(p.pass_))  # stable: head configs stay together

@@ -94,6 +94,9 @@ def test_select_and_labels():
     g = grids.get_grid("quick").select(passes=["bwd"], heads=[(4, 8)])
     assert [p.label for p in g.points] == ["1x8192", "1x32768"]
     assert grids.seqlens_label((28672, 4096)) == "28672+4096"
+    full = grids.get_grid("full").select(passes=["fwd"], heads=[(2, 8), (16, 64)], mixes={"28672+4096", "1x2048"})
+    assert [(p.HV, p.label) for p in full.points] == [(8, "1x2048"), (8, "28672+4096"), (64, "1x2048"),
+                                                      (64, "28672+4096")]
     assert sum(grids.random_split(8192, 4)) == 8192 and grids.random_split(8192, 4) == grids.random_split(8192, 4)
 
 

@@ -1234,6 +1234,11 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (2, 8, [2048] * 4, 8),      # 32 pairs: 4 segments each
     (4, 16, [4096] * 8, None),  # 128 pairs already fill 70% of the SMs: the wide pass without segments
     (16, 64, [4096] * 8, None),
+    # unequal sequences cut at one length: each program as long as an equal split's (session 15)
+    (2, 8, [28672, 4096], 32),  # 14 + 2 segments x 8 heads, as 1x32768's 16
+    (8, 24, [28672, 4096], 112),  # 4 + 1 segments x 24 heads: 120 programs
+    (2, 8, [1024, 7168], 8),    # 2 + 14 segments
+    (4, 16, [12288, 4096], 32),
 ])
 def test_wide_segment_rule(H, HV, lengths, expected, monkeypatch):
     """Inference's wide route cuts segments so one 128-column program per (segment, head) fills the SMs."""
