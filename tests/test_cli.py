@@ -50,5 +50,5 @@ def test_warm_family_covers_training_and_inference():
     training = precompile.family(4, 16, "bfloat16", training=True)
     assert set(inference) < set(training)
     assert {j.factory for j in training} == {"intra_chunk_kernel", "state_output_kernel", "propagator_kernel",
-                                             "backward_state_kernel", "chunk_grads_kernel"}
+                                             "backward_state_kernel", "chunk_grads_kernel", "backward_fused_kernel"}
     assert len(set(training)) == len(training)

@@ -44,8 +44,9 @@ def _source(kind: str, H: int, HV: int, dtype: str, **options) -> str:
 def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import (backward_state, backward_state_wide, chunk_grads, intra_chunk, propagator,
-                                               state_output, state_output_wide, state_output_ws)
+    from gdnkit.backends.tilelang_sm90 import (backward_fused, backward_state, backward_state_wide, chunk_grads,
+                                               intra_chunk, propagator, state_output, state_output_wide,
+                                               state_output_ws)
     module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
                        "backward_state": (backward_state, backward_state.backward_state_program),
                        "chunk_grads": (chunk_grads, chunk_grads.chunk_grads_program),
@@ -53,6 +54,7 @@ def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
                        "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
                        "state_output_wide": (state_output_wide, state_output_wide.state_output_wide_program),
                        "backward_state_wide": (backward_state_wide, backward_state_wide.backward_state_wide_program),
+                       "backward_fused": (backward_fused, backward_fused.backward_fused_program),
                        "propagator": (propagator, propagator.propagator_program)}[kind]
     return tilelang.compile(program(H, HV, dtype, **options), target=SM90, pass_configs=module.PASS_CONFIGS)
 
@@ -236,6 +238,24 @@ def test_backward_state_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
     assert ("walk[" in src) == chained
     assert src.count("wgmma_ss") == 7
     assert all(f"tma_store({d}_desc" in src for d in ("dh", "du", "dv"))
+    assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
+
+
+@pytest.mark.parametrize("H,HV,dtype,dinit", [(16, 32, "bfloat16", True), (4, 8, "float16", False)])
+def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
+    """The fused backward (the reverse pass with the per-chunk gradients): its eight tiles a chunk by TMA, every
+    product on wgmma, four roles each with its register budget (setmaxnreg summing to 512 a thread), no barrier
+    under a thread subset, its shared memory within a block's."""
+    _tilelang()
+    from gdnkit.backends.tilelang_sm90 import backward_fused as bf
+    kernel = _kernel("backward_fused", H, HV, dtype, has_dinit=dinit, store_dh0=True)
+    src = kernel.get_kernel_source()
+    _assert_hopper_paths(src)
+    assert "mma_sync" not in src
+    assert src.count("wgmma_ss<") == 24   # owner 2, x 5, p 10, g 7
+    for n in (bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS):   # raised above the launch's 128 a thread, or lowered
+        assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
+    assert ("(dinit + " in src) == dinit
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
@@ -850,6 +870,41 @@ def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, t
             dq[0, t0:t0 + m, hk], dk[0, t0:t0 + m, hk] = sums[0].float(), sums[1].float()
 
 
+def _backward_fused_stand_in(has_dinit, store_dh0):
+    """What the fused backward writes per (sequence or segment, value head), chunks last to first from its dinit
+    row (or zero): the reverse pass's chain (dS_end rounded to bf16 as the kernel hands it over) and each chunk's
+    chunk_local_grads, dq and dk per value head, dh0 at the run's start."""
+    from gdnkit.backends.reference.chunked_backward import chunk_local_grads
+
+    def run(q, k, v, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dq, dk, dv, dg, dbeta, dh0, scale):
+        grp = v.shape[2] // k.shape[2]
+        for n in range(cu.numel() - 1):
+            bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
+            for hv in range(v.shape[2]):
+                dS = dinit[n, hv].double() if has_dinit else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
+                for ic in reversed(range(-(-(eos - bos) // 64))):
+                    t0 = bos + ic * 64
+                    m = min(eos - t0, 64)
+                    rows = lambda x: x[0, t0:t0 + m, hv].double()  # noqa: E731
+                    qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
+                    gs, dO = gamma[hv, c0 + ic, :m].double(), rows(do)
+                    dse = dS.to(v.dtype).double()
+                    i = torch.arange(m)
+                    P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
+                    dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dse)
+                    dX = a[0, t0:t0 + m, hv, :m].double().T @ dU
+                    got = chunk_local_grads(qq, kk, rows(v), dO, rows(beta), gs, tm[0, t0:t0 + m, hv, :m].double(),
+                                            hs[c0 + ic, hv].double(), dU, dX, dse, scale)
+                    dq[0, t0:t0 + m, hv], dk[0, t0:t0 + m, hv] = got[0].to(dq.dtype), got[1].to(dk.dtype)
+                    dg[0, t0:t0 + m, hv], dbeta[0, t0:t0 + m, hv] = got[2].float(), got[3].float()
+                    dv[0, t0:t0 + m, hv] = dX.to(dv.dtype)
+                    dS = (scale * qq.T @ (gs.exp()[:, None] * dO) + gs[-1].exp() * dS
+                          - kk.T @ (gs.exp()[:, None] * dX))
+                if store_dh0:
+                    dh0[n, hv] = dS.float()
+    return run
+
+
 def _recorded(calls: list, name: str, factory):
     """A kernel factory stand-in that records (name, its arguments): checked against precompile.family."""
     def record(*args):
@@ -877,7 +932,9 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-mixed-gates",
-                                  "segments-chained", "segments-chained-mixed-gates", "segments-exact"])
+                                  "segments-chained", "segments-chained-mixed-gates", "segments-exact",
+                                  "fused-dense", "fused-varlen-gva-options", "fused-segments",
+                                  "fused-segments-weak-gates"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
@@ -885,15 +942,22 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
     the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle,
     gates that barely decay, and one head of each), the chained route (where the exact route does not pay: the
-    same warm-up, the reverse pass walking forward where it left a pair unsettled), or the exact route alone. The kernels are float64 stand-ins of their contracts; every
-    gradient is checked against autograd through the float64 reference."""
+    same warm-up, the reverse pass walking forward where it left a pair unsettled), or the exact route alone.
+    fused-*: the same through the fused kernel (GDNKIT_SM90_FUSED_BACKWARD), its segments the wide route's, each
+    from its dS_end by the gated route; dq / dk per value head summed here. The kernels are float64 stand-ins of
+    their contracts; every gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    fused = case.startswith("fused-")
+    monkeypatch.setattr(bwd, "FUSED", fused)
+    case = case.removeprefix("fused-")
     segments = case.startswith("segments")
+    if fused and segments:   # the wide route's segments (2 chunks) where a CPU has no SMs to fill
+        monkeypatch.setattr(fwd, "wide_segment_chunks", lambda *_: 2)
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
     chained = case.startswith("segments-chained")
@@ -918,6 +982,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         lambda H, HV, dt, has_dht, store_dh0, bv, chained=False: _backward_state_stand_in(has_dht, store_dh0, chained)))
     monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
                                                              lambda H, HV, dt, grads_dt: _grads_in(grads_dt)))
+    monkeypatch.setattr(bwd, "backward_fused_kernel", _recorded(
+        calls, "backward_fused_kernel",
+        lambda H, HV, dt, has_dinit, store_dh0: _backward_fused_stand_in(has_dinit, store_dh0)))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -982,6 +1049,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)]), walks
     walked = {name for name, args in calls if name in ("state_output_kernel", "backward_state_kernel") and args[-1]}
     assert walked == ({"state_output_kernel", "backward_state_kernel"} if chained else set()), walked
+    launched = {name for name, _ in calls}
+    assert ("backward_fused_kernel" in launched) == fused and ("chunk_grads_kernel" in launched) != fused, launched
     _assert_in_family(calls, H, HV, "float16", training=True)
 
 
@@ -1353,6 +1422,66 @@ def test_chunk_grads_matches_reference_chunked_backward():
                                                                    ref.dbeta)):
         assert not out.isnan().any(), name
         assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,HV,lengths,state", [(2, 4, (200,), True), (4, 16, (77, 0, 1000, 1333), True),
+                                                (2, 8, (8200,), True), (16, 32, (4096,), False)],
+                         ids=["one", "varlen", "segments", "16x32"])
+def test_backward_fused_matches_float64(H, HV, lengths, state, monkeypatch):
+    """The fused backward (backward_fused.py, one launch after the S0 recompute) through the public API: every
+    gradient against the float64 chunked backward, with GVA; a chunk tail of 8 (one), sequences of odd and zero
+    length with initial states (varlen), one long sequence in the wide route's segments, each from its dS_end by
+    the gated route (segments), 16/32 without states; and the same call twice, bitwise."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    monkeypatch.setattr(bwd, "FUSED", True)
+    launched = []
+    real = bwd.backward_fused_kernel
+    monkeypatch.setattr(bwd, "backward_fused_kernel", lambda *a: launched.append(a) or real(*a))
+    dev, N = "cuda", len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+    T = int(cu[-1])
+    gen = torch.Generator(device=dev).manual_seed(21)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)), beta=torch.sigmoid(r(1, T, HV)))
+    if state:
+        x["initial_state"] = r(N, HV, K, V) * 0.1
+    do, dht = r(1, T, HV, V).to(torch.bfloat16), r(N, HV, K, V) * 0.1
+    runs = []
+    for _ in range(2):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, ht = gdnkit.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu, backend="tilelang_sm90")
+        runs.append(dict(zip(leaves, torch.autograd.grad([o, ht], list(leaves.values()), [do, dht]))))
+    assert launched, "the fused kernel did not run"
+    rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
+    want = {n: [] for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    with torch.no_grad():
+        for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if a == b:   # no tokens: dh0 is dht
+                want["initial_state"].append(dht[n:n + 1].double())
+                continue
+            h0 = x["initial_state"][n:n + 1].double() if state else None
+            ref = chunked_gdn_backward(rep(x["q"][:, a:b]), rep(x["k"][:, a:b]), x["v"][:, a:b].double(),
+                                       x["g"][:, a:b].double(), x["beta"][:, a:b].double(), K ** -0.5,
+                                       do[:, a:b].double(), h0=h0, dht=dht[n:n + 1].double())
+            for name, t in (("q", _fold_group(ref.dq, H)), ("k", _fold_group(ref.dk, H)), ("v", ref.dv),
+                            ("g", ref.dg), ("beta", ref.dbeta), ("initial_state", ref.dh0)):
+                want[name].append(t)
+    want = {n: torch.cat(ts, dim=0 if n == "initial_state" else 1) for n, ts in want.items() if n in runs[0]}
+    errs = {n: _rel(runs[0][n], want[n]) for n in want}
+    assert all(e <= 1e-2 for e in errs.values()), errs
+    for n in runs[0]:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+def _fold_group(t, H):
+    """dq / dk of one sequence from the reference's per-value-head [1, L, HV, K], summed over each key head's group."""
+    return t.view(1, t.shape[1], H, -1, t.shape[-1]).sum(3)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,10 @@ then the options' prologue undone (gdnkit.prologue). GVA's sums of dq / dk happe
 head order (bitwise repeatable; no float atomics anywhere). backends/reference/chunked_backward.py
 is the definition every stage is checked against.
 
+With FUSED (GDNKIT_SM90_FUSED_BACKWARD=1; _fused_grads) the reverse pass and the per-chunk gradients are one
+kernel, backward_fused.py, after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per
+value head and are summed over each key head's group here. Correct, not yet faster (BACKWARD.md).
+
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
 dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's), checked
 on the device per (segment, head), and exactly where it left a pair unsettled (the forward's propagator gives
@@ -21,6 +25,7 @@ both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -33,19 +38,23 @@ from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
+# The fused backward (backward_fused.py: the reverse pass with the per-chunk gradients, one launch after the S0
+# recompute) instead of backward_state + chunk_grads. Off by default until its GPU timings are in.
+FUSED = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
 def _jit():
     import tilelang
 
-    from . import backward_state, backward_state_wide, chunk_grads
+    from . import backward_fused, backward_state, backward_state_wide, chunk_grads
 
     def jit(module, program):
         return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
 
     return (jit(backward_state, backward_state.backward_state_program), jit(chunk_grads, chunk_grads.chunk_grads_program),
-            jit(backward_state_wide, backward_state_wide.backward_state_wide_program))
+            jit(backward_state_wide, backward_state_wide.backward_state_wide_program),
+            jit(backward_fused, backward_fused.backward_fused_program))
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,6 +71,11 @@ def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0:
 @functools.lru_cache(maxsize=None)
 def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
     return _jit()[1](H, HV, dtype, grads_dtype=grads_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def backward_fused_kernel(H: int, HV: int, dtype: str, has_dinit: bool, store_dh0: bool):
+    return _jit()[3](H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
 
 
 def _segments(problem: Problem, s: Saved, dev: torch.device):
@@ -169,16 +183,47 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     """Gradients w.r.t. the user's inputs (in their dtypes) for the output gradient do [B, T, HV, V] and the
     final-state gradient dht (None: zero)."""
     s = saved
-    layout = s.layout
     B, T = do.shape[:2]
     total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
-    HV, V, N = problem.HV, problem.V, problem.N
-    dev = do.device
-    dt = TORCH_TO_TL[problem.dtype]
+    HV, V = problem.HV, problem.V
     do = do.reshape(1, total, HV, V).to(s.v.dtype).contiguous()
     if dht is not None:
         dht = dht.float()
         dht = (dht.transpose(-1, -2) if problem.state_v_first else dht).contiguous()
+    dq, dk, dv, dg, dbeta, dh0 = (_fused_grads if FUSED else _staged_grads)(problem, s, do, dht)
+    dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
+    dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
+    dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
+                                                           s.dt_bias)
+    if dh0 is not None and problem.state_v_first:
+        dh0 = dh0.transpose(-1, -2)
+    return prologue.grads_in_input_dtypes(s.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+
+
+def _first_segments(dh0_seg: torch.Tensor, plan, layout, dht: torch.Tensor | None) -> torch.Tensor:
+    """The sequences' dh0 from a pass over segments' dS at each segment's start: each sequence's first segment's;
+    a sequence without tokens passes dht through."""
+    dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(plan.segments.n_seg - 1)]
+    empty = [n for n, length in enumerate(layout.lengths) if length == 0]
+    if empty:
+        dh0[empty] = 0.0 if dht is None else dht[empty]
+    return dh0
+
+
+def _grads_dtype(problem: Problem, s: Saved) -> tuple[torch.dtype, str]:
+    """What dq / dk are returned in by the kernels: the inputs' dtype where nothing follows but the cast to it
+    (rounded once, after their fp32 sums), fp32 where the l2norm backward still runs on them."""
+    qk = s.dtypes["q"] if s.dtypes["q"] == s.dtypes["k"] and not problem.use_qk_l2norm_in_kernel else torch.float32
+    return (qk, TORCH_TO_TL[qk]) if qk in TORCH_TO_TL else (torch.float32, "float32")
+
+
+def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
+    """(dq, dk, dv, dg, dbeta, dh0) packed, by backward_state (or its wide form) and chunk_grads."""
+    layout = s.layout
+    total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
+    HV, V, N = problem.HV, problem.V, problem.N
+    dev = do.device
+    dt = TORCH_TO_TL[problem.dtype]
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     store_dh0 = s.h0 is not None
 
@@ -222,16 +267,11 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
                placeholder if ds_end is None else ds_end, du, dv, dh,
                placeholder if dh0_seg is None else dh0_seg, float(problem.scale), open_gate(dev, HV),
                *(walks or _no_walks(dev, HV)))
-        if dh0_seg is not None:  # each sequence's first segment; a sequence without tokens passes dht through
-            dh0 = dh0_seg[plan.segments.seg_offsets[:-1].long().clamp_max(n_seg - 1)]
-            empty = [n for n, length in enumerate(layout.lengths) if length == 0]
-            if empty:
-                dh0[empty] = 0.0 if dht is None else dht[empty]
+        if dh0_seg is not None:
+            dh0 = _first_segments(dh0_seg, plan, layout, dht)
 
-    # the parallel part, per key head. dq / dk leave chunk_grads in the dtype they are returned in, rounded once
-    # after their fp32 sums (no cast pass, half the bytes), unless the l2norm backward still runs on them
-    qk = s.dtypes["q"] if s.dtypes["q"] == s.dtypes["k"] and not problem.use_qk_l2norm_in_kernel else torch.float32
-    qk, qk_tl = (qk, TORCH_TO_TL[qk]) if qk in TORCH_TO_TL else (torch.float32, "float32")
+    # the parallel part, per key head; GVA's sums of dq / dk happen there, in value head order
+    qk, qk_tl = _grads_dtype(problem, s)
     dq = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
     dk = seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dev, dtype=qk)
     dg = seqlayout.packed_output((1, total, HV), layout.cu_seqlens, device=dev, dtype=torch.float32)
@@ -244,11 +284,46 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     chunk_grads_kernel(H, HV, dt, qk_tl)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
                                          layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta,
                                          float(problem.scale))
-    # GVA: chunk_grads summed dq / dk over each key head's value heads (in value head order)
-    dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
-    dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
-    dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
-                                                           s.dt_bias)
-    if dh0 is not None and problem.state_v_first:
-        dh0 = dh0.transpose(-1, -2)
-    return prologue.grads_in_input_dtypes(s.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
+    """(dq, dk, dv, dg, dbeta, dh0) packed, by backward_fused.py after the S0 recompute. Where one program per
+    (sequence, head) leaves SMs idle, the sequences run in the wide route's segments (forward.wide_segment_chunks),
+    each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up, exact where it does not settle).
+    dq and dk leave the kernel per value head; each key head's group is summed here, in value head order."""
+    layout = s.layout
+    total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
+    HV, V, N = problem.HV, problem.V, problem.N
+    dev = do.device
+    dt = TORCH_TO_TL[problem.dtype]
+    cu = layout.cu_seqlens
+    dq_hv = seqlayout.packed_output((1, total, HV, K), cu, device=dev, dtype=s.v.dtype)
+    dk_hv = seqlayout.packed_output((1, total, HV, K), cu, device=dev, dtype=s.v.dtype)
+    dv = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=s.v.dtype)
+    dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
+    dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
+    # S0's buffer is the exact route's scratch for dh before the recompute fills it
+    hs = None if s.hs is not None else torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
+    seg = forward.wide_segment_chunks(layout, HV, dev) if context_parallel.available() else None
+    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
+    if seg:
+        plan = context_parallel.plan_segments(layout, seg)
+        scratch = (dq_hv, dv, hs if hs is not None else torch.empty_like(s.hs))
+        dinit = _gated_ds_ends(problem, s, plan, do, dht, scratch)
+        cu_run, offsets, n_run = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg
+    else:
+        plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N
+    hs = entering_states(problem, s, out=hs)
+    store_dh0 = s.h0 is not None
+    dh0 = torch.empty(n_run, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
+    backward_fused_kernel(H, HV, dt, dinit is not None, store_dh0)(
+        s.q, s.k, s.v, do, s.a, s.tm, hs, s.gamma, s.beta, cu_run, offsets,
+        placeholder if dinit is None else dinit, dq_hv, dk_hv, dv, dg, dbeta,
+        placeholder if dh0 is None else dh0, float(problem.scale))
+    if plan is not None and dh0 is not None:
+        dh0 = _first_segments(dh0, plan, layout, dht)
+    qk, _ = _grads_dtype(problem, s)
+    group = lambda x: x.view(1, total, H, HV // H, K).sum(3, dtype=torch.float32).to(qk)  # noqa: E731
+    return group(dq_hv), group(dk_hv), dv, dg, dbeta, dh0
+

@@ -55,6 +55,9 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
                  for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]
         # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
         jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]
+        # the fused backward (backward.FUSED), from a dS_end (dht or a segment's) or not, storing dh0 or not
+        jobs += [Job("backward", "backward_fused_kernel", (H, HV, dtype, dinit, dh0))
+                 for dinit, dh0 in itertools.product(flags, flags)]
     return jobs
 
 
@@ -73,7 +76,8 @@ def _build_one(job: Job) -> tuple[Job, float, str | None]:
 
 def build(jobs: list[Job], workers: int, report=print) -> list[tuple[Job, float, str | None]]:
     """Builds every job in `workers` spawned processes (the longest first); returns (job, seconds, error)."""
-    order = sorted(jobs, key=lambda j: j.factory != "chunk_grads_kernel")   # the slowest compile first
+    slowest = ("chunk_grads_kernel", "backward_fused_kernel")
+    order = sorted(jobs, key=lambda j: j.factory not in slowest)   # the slowest compiles first
     results = []
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool:

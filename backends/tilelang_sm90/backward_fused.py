@@ -1,0 +1,435 @@
+"""The backward's reverse pass fused with the per-chunk gradients (BACKWARD.md, "The fused kernel"): per (sequence
+or segment, value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; nothing of the
+chain (dS_end, dU, dX) leaves the chip. Per chunk, from S0 (the forward's state pass run again), Tb, T, gamma, beta,
+Q, K, V and dO, with P = s Q K^T (.) D_incl:
+
+    X   = V - diag(Gamma) K S0,   U = Tb X
+    dU  = diag(Gamma_C / Gamma) K dS_end + P^T dO,   dX = Tb^T dU  (= dV)
+    dS0 = Gamma_C dS_end + Q^T (s diag(Gamma) dO) - K^T (diag(Gamma) dX)
+    dq  = diag(s Gamma) dO S0^T + dPD K,   dPD = s dO U^T (.) D_incl
+    dk  = diag(Gamma_C / Gamma) U dS_end^T - diag(Gamma) dX S0^T + dPD^T Q + H K + H^T K
+    dTb = dU X^T -> dT = dTb diag(beta) -> M = T^T dT -> dA = strictly_lower(-M T^T) -> H = diag(beta) dA (.) D
+    dbeta, dgamma (then dg, its reverse cumsum) term for term as chunk_grads.py
+
+Four warpgroups, each with its own register budget (setmaxnreg; the budgets sum to 512):
+
+    owner (threads   0-127, 160)  dS: hands bf16 dS_end over, dS <- Gamma_C dS, scales dO's tile in place to
+                                  s diag(Gamma) dO once every other role has read it, dS += Q^T (that), then
+                                  dS += K^T (-Gamma dX) when x hands it over
+    x     (threads 128-255, 112)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
+                                  dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
+                                  and g, dv; and the TMA loads of the next chunk once every role is done
+    p     (threads 256-383, 120)  the 64 x 64 work: P, dPD, dT, M, H; dbeta, and dgamma's P and A terms
+    g     (threads 384-511, 120)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
+                                  accumulator's rows against Q or K, <S0, dS_end>, and dg
+
+The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 14, p 17, g 20. dq and dk leave per value head
+(bf16); the host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles: one
+`freed` barrier a chunk, the next chunk's loads behind every role's last read.
+
+Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
+    loaded (x's loads)  freed (all 512)        ds_ready (owner)  ds_free (x, g)
+    u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
+    du_ready (x)        du_free (p)            gx_ready (x)      gx_free (owner, g)
+    pd_ready (p)        pd_free (g)            h_ready (p: H and its dgamma part)      h_free (g)
+
+Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
+per-row factors are 0 there (Gamma, Gamma_C / Gamma, s Gamma, beta), and P, dPD, D and the dT rows are masked.
+"""
+import tilelang
+import tilelang.language as T
+
+from .state_output import sequence_bounds
+
+CHUNK = 64
+THREADS = 512
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+                tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+# registers per thread of each role (setmaxnreg; a role starts at 65536 / 512 = 128 and raises or lowers it), so
+# the four sum to 512. The split with the fewest spills among those ptxas was asked for (CPU builds, session 15:
+# 364 bytes; p at 112 alone spilled ~470, g at 128 ~1900)
+OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 96, 144, 112
+
+
+def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: bool = False,
+                           store_dh0: bool = False, K: int = 128, V: int = 128):
+    """dinit: each program's dS_end at its last chunk (the sequence's dht, or the segment's from the routes in
+    backward.py); dh0: dS at its first chunk's start."""
+    C = CHUNK
+    BK = 32  # column block of <S0, dS_end> (a K x 32 fp32 fragment at a time)
+    accum = "float32"
+    assert HV % H == 0 and K == 128 and V == 128
+    assert OWNER_REGS + X_REGS + P_REGS + G_REGS == 512
+    GROUP = HV // H
+
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_seqs = T.dynamic("num_seqs")
+    num_dinit = T.dynamic("num_dinit")
+    num_dh0 = T.dynamic("num_dh0")
+
+    @T.macro
+    def load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
+             bos, c0, n_chunks, hk, hv, i):
+        """TMA of chunk i counted from the run's end (x's 128 threads arrive)."""
+        ci = n_chunks - 1 - i
+        t0 = bos + ci * C
+        T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded)
+        T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
+        T.tma_copy(hs[c0 + ci, hv, 0:K, 0:V], s0_s, barrier=loaded)
+        T.tma_copy(v[0, t0:t0 + C, hv, 0:V], vx_s, barrier=loaded)
+        T.tma_copy(a[0, t0:t0 + C, hv, 0:C], tb_s, barrier=loaded)
+        T.tma_copy(do[0, t0:t0 + C, hv, 0:V], do_s, barrier=loaded)
+        T.tma_copy(tm[0, t0:t0 + C, hv, 0:C], t_s, barrier=loaded)
+        T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s, barrier=loaded)
+        T.barrier_arrive(loaded)
+
+    @T.macro
+    def landed(loaded, bos, eos, n_chunks, i):
+        """Chunk i counted from the run's end, once its tiles have landed: (its barrier parity, first token, rows
+        inside the sequence). Every role starts its step here."""
+        t0 = bos + (n_chunks - 1 - i) * C
+        T.barrier_wait(loaded, i % 2)
+        return i % 2, t0, T.min(eos - t0, C)
+
+    @T.macro
+    def row_dot(acc, m_s, tmp, out):
+        """out = the rows of acc (.) m_s (a [C, V] bf16 tile) through tmp, as acc is still needed. (A [C, V / 2]
+        temporary taken twice takes acc's layout, half of it never written, and its reduction read that half.)"""
+        for r, j in T.Parallel(C, V):
+            tmp[r, j] = acc[r, j] * m_s[r, j]
+        T.reduce_sum(tmp, out, dim=1)
+
+    @T.prim_func
+    def gdn_backward_fused(
+        q: T.Tensor((1, num_tokens, H, K), dtype),
+        k: T.Tensor((1, num_tokens, H, K), dtype),
+        v: T.Tensor((1, num_tokens, HV, V), dtype),
+        do: T.Tensor((1, num_tokens, HV, V), dtype),
+        a: T.Tensor((1, num_tokens, HV, C), dtype),          # Tb
+        tm: T.Tensor((1, num_tokens, HV, C), dtype),         # T
+        hs: T.Tensor((num_chunks, HV, K, V), dtype),         # S0 per chunk
+        gamma: T.Tensor((HV, num_chunks, C), accum),
+        beta: T.Tensor((1, num_tokens, HV), accum),
+        cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
+        chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
+        dinit: T.Tensor((num_dinit, HV, K, V), accum),
+        dq: T.Tensor((1, num_tokens, HV, K), dtype),         # per value head
+        dk: T.Tensor((1, num_tokens, HV, K), dtype),
+        dv: T.Tensor((1, num_tokens, HV, V), dtype),
+        dg: T.Tensor((1, num_tokens, HV), accum),
+        dbeta: T.Tensor((1, num_tokens, HV), accum),
+        dh0: T.Tensor((num_dh0, HV, K, V), accum),
+        scale: T.float32,
+    ):
+        with T.Kernel(HV, num_seqs, threads=THREADS) as (hv, n):
+            hk = hv // GROUP
+            bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
+
+            # the chunk's tiles (one slot each)
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            vx_s = T.alloc_shared((C, V), dtype)      # V, then X (x)
+            do_s = T.alloc_shared((C, V), dtype)      # dO, then s diag(Gamma) dO (owner, in place)
+            tb_s = T.alloc_shared((C, C), dtype)
+            t_s = T.alloc_shared((C, C), dtype)
+            s0_s = T.alloc_shared((K, V), dtype)
+            g_s = T.alloc_shared((C,), accum)
+            # hand-overs
+            ds_s = T.alloc_shared((K, V), dtype)      # bf16 dS_end: owner -> x, g
+            u_s = T.alloc_shared((C, V), dtype)       # U: x -> p, g
+            du_s = T.alloc_shared((C, V), dtype)      # dU: x -> p
+            gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g
+            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), then p's own dT and M (x has read P by dU)
+            pd_s = T.alloc_shared((C, C), dtype)      # dPD: p -> g
+            h_s = T.alloc_shared((C, C), dtype)       # H: p -> g
+            # per-row factors, one set per role (a (C,) fragment under a (C, V) loop runs on a 64-thread replica)
+            sg_o = T.alloc_shared((C,), accum)        # owner: s Gamma
+            eg_x = T.alloc_shared((C,), accum)        # x: Gamma
+            eu_x = T.alloc_shared((C,), accum)        # x: Gamma_C / Gamma
+            b_s = T.alloc_shared((C,), accum)         # p: beta
+            sg_g = T.alloc_shared((C,), accum)        # g: s Gamma
+            eu_g = T.alloc_shared((C,), accum)        # g: Gamma_C / Gamma
+            dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P and A terms
+            dg_s = T.alloc_shared((C,), accum)        # g: dgamma before its reverse cumsum
+
+            dS = T.alloc_fragment((K, V), accum)      # owner
+            acc_x = T.alloc_fragment((C, V), accum)   # x: K S0, U, K dS_end -> dU, dX
+            f1 = T.alloc_fragment((C, C), accum)      # p
+            f2 = T.alloc_fragment((C, C), accum)      # p
+            row_p = T.alloc_fragment((C,), accum)
+            dgp = T.alloc_fragment((C,), accum)
+            dbt = T.alloc_fragment((C,), accum)
+            acc_g = T.alloc_fragment((C, K), accum)   # g: dq, then dk
+            tmp_g = T.alloc_fragment((C, V), accum)
+            row_g = T.alloc_fragment((C,), accum)
+            de_g = T.alloc_fragment((C,), accum)
+            dgam = T.alloc_fragment((C,), accum)
+            sk = T.alloc_fragment((K, BK), accum)
+            part = T.alloc_fragment((K,), accum)
+            tot = T.alloc_fragment((1,), accum)       # <S0, dS_end>
+            carry = T.alloc_fragment((1,), accum)     # the state decay's terms summed (Gamma_C's share)
+            g_last = T.alloc_var(accum)
+            run = T.alloc_var(accum)
+
+            loaded = T.alloc_barrier(arrive_count=128)
+            freed = T.alloc_barrier(arrive_count=512)
+            ds_ready = T.alloc_barrier(arrive_count=128)
+            ds_free = T.alloc_barrier(arrive_count=256)
+            u_ready = T.alloc_barrier(arrive_count=128)
+            u_free = T.alloc_barrier(arrive_count=256)
+            p_ready = T.alloc_barrier(arrive_count=128)
+            do_read = T.alloc_barrier(arrive_count=384)
+            du_ready = T.alloc_barrier(arrive_count=128)
+            du_free = T.alloc_barrier(arrive_count=128)
+            gx_ready = T.alloc_barrier(arrive_count=128)
+            gx_free = T.alloc_barrier(arrive_count=256)
+            pd_ready = T.alloc_barrier(arrive_count=128)
+            pd_free = T.alloc_barrier(arrive_count=128)
+            h_ready = T.alloc_barrier(arrive_count=128)
+            h_free = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+            if tx < 128:
+                # ---- owner: dS in registers ----
+                T.set_max_nreg(OWNER_REGS, int(OWNER_REGS > 128))   # raise, or lower, from 128
+                if has_dinit:
+                    T.copy(dinit[n, hv, 0:K, 0:V], dS)
+                else:
+                    T.clear(dS)
+                for i in T.serial(n_chunks):
+                    ph, _, n_valid = landed(loaded, bos, eos, n_chunks, i)
+                    T.barrier_wait(ds_free, ph ^ 1)            # x and g have read the previous dS_end
+                    T.copy(dS, ds_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ds_ready)
+                    g_last = g_s[n_valid - 1]
+                    for r in T.Parallel(C):
+                        sg_o[r] = T.if_then_else(r < n_valid, scale * T.exp(g_s[r]), 0.0)
+                    for r, j in T.Parallel(K, V):
+                        dS[r, j] = dS[r, j] * T.exp(g_last)
+                    T.barrier_wait(do_read, ph)                 # x, p and g have read dO as loaded
+                    for r, j in T.Parallel(C, V):
+                        do_s[r, j] = do_s[r, j] * sg_o[r]
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(q_s, do_s, dS, transpose_A=True)              # + Q^T s Gamma dO
+                    T.barrier_wait(gx_ready, ph)
+                    T.wgmma_gemm(k_s, gx_s, dS, transpose_A=True)              # - K^T Gamma dX
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(gx_free)
+                    T.barrier_arrive(freed)
+                if store_dh0:
+                    T.copy(dS, dh0[n, hv, 0:K, 0:V])
+            elif tx < 256:
+                # ---- x: X, U, then the chain's dU and dX; the loads ----
+                T.set_max_nreg(X_REGS, int(X_REGS > 128))   # raise, or lower, from 128
+                if n_chunks > 0:
+                    load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
+                         bos, c0, n_chunks, hk, hv, 0)
+                for i in T.serial(n_chunks):
+                    ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
+                    g_last = g_s[n_valid - 1]
+                    for r in T.Parallel(C):
+                        eg_x[r] = T.if_then_else(r < n_valid, T.exp(g_s[r]), 0.0)
+                        eu_x[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[r]), 0.0)
+                    T.wgmma_gemm(k_s, s0_s, acc_x, clear_accum=True)               # K S0
+                    T.wait_wgmma(0)
+                    for r, j in T.Parallel(C, V):
+                        vx_s[r, j] = T.if_then_else(r < n_valid, vx_s[r, j] - eg_x[r] * acc_x[r, j], 0.0)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(tb_s, vx_s, acc_x, clear_accum=True)              # U = Tb X
+                    T.wait_wgmma(0)
+                    T.barrier_wait(u_free, ph ^ 1)
+                    for r, j in T.Parallel(C, V):
+                        u_s[r, j] = T.if_then_else(r < n_valid, acc_x[r, j], 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(u_ready)
+                    T.barrier_wait(ds_ready, ph)
+                    T.wgmma_gemm(k_s, ds_s, acc_x, clear_accum=True)               # K dS_end
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(ds_free)
+                    for r, j in T.Parallel(C, V):
+                        acc_x[r, j] = acc_x[r, j] * eu_x[r]
+                    T.barrier_wait(p_ready, ph)
+                    T.wgmma_gemm(p_s, do_s, acc_x, transpose_A=True)               # + P^T dO: dU
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(do_read)
+                    T.barrier_wait(du_free, ph ^ 1)
+                    T.copy(acc_x, du_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(du_ready)
+                    T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
+                    T.wait_wgmma(0)
+                    T.barrier_wait(gx_free, ph ^ 1)
+                    for r, j in T.Parallel(C, V):
+                        gx_s[r, j] = -eg_x[r] * acc_x[r, j]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(gx_ready)
+                    for r, j in T.Parallel(C, V):
+                        if r < n_valid:
+                            dv[0, t0 + r, hv, j] = T.cast(acc_x[r, j], dtype)
+                    T.barrier_arrive(freed)
+                    T.barrier_wait(freed, ph)
+                    if i + 1 < n_chunks:
+                        load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
+                             bos, c0, n_chunks, hk, hv, i + 1)
+            elif tx < 384:
+                # ---- p: P, dPD, dT, M, H; dbeta; dgamma's P and A terms ----
+                T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
+                for i in T.serial(n_chunks):
+                    ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
+                    for r in T.Parallel(C):
+                        b_s[r] = T.if_then_else(r < n_valid, beta[0, t0 + r, hv], 0.0)
+                    T.wgmma_gemm(q_s, k_s, f1, transpose_B=True, clear_accum=True)     # Q K^T
+                    T.wait_wgmma(0)
+                    for r, c in T.Parallel(C, C):
+                        f1[r, c] = T.if_then_else((r >= c) & (r < n_valid),
+                                                  scale * f1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                    T.copy(f1, p_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready)
+                    # dP = dO U^T; dPD = s dP (.) D; dgamma += rows of dP (.) P ...
+                    T.barrier_wait(u_ready, ph)
+                    T.wgmma_gemm(do_s, u_s, f2, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_wait(pd_free, ph ^ 1)
+                    for r, c in T.Parallel(C, C):
+                        pd_s[r, c] = T.if_then_else((r >= c) & (r < n_valid),
+                                                    scale * f2[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(pd_ready)
+                    for r, c in T.Parallel(C, C):
+                        f1[r, c] = f1[r, c] * f2[r, c]
+                    T.reduce_sum(f1, dgp, dim=1)
+                    # ... minus its columns: the rows of s (U dO^T) (.) (K Q^T) (.) D^T
+                    T.wgmma_gemm(u_s, do_s, f2, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(k_s, q_s, f1, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(do_read)
+                    T.barrier_arrive(u_free)
+                    for r, c in T.Parallel(C, C):
+                        f1[r, c] = T.if_then_else((c >= r) & (c < n_valid),
+                                                  scale * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                    T.reduce_sum(f1, row_p, dim=1)
+                    for r in T.Parallel(C):
+                        dgp[r] -= row_p[r]
+                    # dTb = dU X^T -> dT = dTb diag(beta) (into P's tile); dbeta = rows of X dU^T (.) T^T
+                    T.barrier_wait(du_ready, ph)
+                    T.wgmma_gemm(du_s, vx_s, f2, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(vx_s, du_s, f1, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(du_free)
+                    for r, c in T.Parallel(C, C):
+                        p_s[r, c] = T.if_then_else(r < n_valid, f2[r, c] * b_s[c], 0.0)
+                    for r, c in T.Parallel(C, C):
+                        f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
+                    T.reduce_sum(f1, dbt, dim=1)
+                    T.fence_proxy_async()
+                    # M = T^T dT (in place of dT); dA = -M T^T strictly lower; K K^T
+                    T.wgmma_gemm(t_s, p_s, f2, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.copy(f2, p_s)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)     # K K^T
+                    T.wgmma_gemm(p_s, t_s, f2, transpose_B=True, clear_accum=True)     # M T^T
+                    T.wait_wgmma(0)
+                    # H = diag(beta) dA (.) D; dbeta += rows of dA (.) K K^T (.) D; dgamma += beta (.) the same
+                    T.barrier_wait(h_free, ph ^ 1)
+                    for r, c in T.Parallel(C, C):
+                        h_s[r, c] = T.if_then_else((r > c) & (r < n_valid),
+                                                   -b_s[r] * f2[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                    for r, c in T.Parallel(C, C):
+                        f2[r, c] = T.if_then_else((r > c) & (r < n_valid),
+                                                  -f2[r, c] * f1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                    T.reduce_sum(f2, row_p, dim=1)
+                    for r in T.Parallel(C):
+                        dbt[r] += row_p[r]
+                        dgp[r] += b_s[r] * row_p[r]
+                    # ... minus its columns: rows of (diag(beta) dA (.) K K^T (.) D)^T, dA^T = -T M^T
+                    T.wgmma_gemm(t_s, p_s, f2, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    for r, c in T.Parallel(C, C):
+                        f2[r, c] = T.if_then_else((c > r) & (c < n_valid),
+                                                  -b_s[c] * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                    T.reduce_sum(f2, row_p, dim=1)
+                    for r in T.Parallel(C):
+                        dgp_s[r] = dgp[r] - row_p[r]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(h_ready)
+                    for r in T.Parallel(C):
+                        if r < n_valid:
+                            dbeta[0, t0 + r, hv] = dbt[r]
+                    T.barrier_arrive(freed)
+            else:
+                # ---- g: dq, dk; dgamma's O, X and state terms; dg ----
+                T.set_max_nreg(G_REGS, int(G_REGS > 128))   # raise, or lower, from 128
+                for i in T.serial(n_chunks):
+                    ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
+                    g_last = g_s[n_valid - 1]
+                    for r in T.Parallel(C):
+                        sg_g[r] = T.if_then_else(r < n_valid, scale * T.exp(g_s[r]), 0.0)
+                        eu_g[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[r]), 0.0)
+                    # dq = diag(s Gamma) dO S0^T + dPD K; dgamma's O term: the rows of the first (.) Q
+                    T.wgmma_gemm(do_s, s0_s, acc_g, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(do_read)
+                    for r, j in T.Parallel(C, K):
+                        acc_g[r, j] = acc_g[r, j] * sg_g[r]
+                    row_dot(acc_g, q_s, tmp_g, dgam)
+                    T.barrier_wait(pd_ready, ph)
+                    T.wgmma_gemm(pd_s, k_s, acc_g)
+                    T.wait_wgmma(0)
+                    for r, j in T.Parallel(C, K):
+                        if r < n_valid:
+                            dq[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
+                    # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term;
+                    # <S0, dS_end> on the CUDA cores meanwhile
+                    T.barrier_wait(u_ready, ph)
+                    T.barrier_wait(ds_ready, ph)
+                    T.wgmma_gemm(u_s, ds_s, acc_g, transpose_B=True, clear_accum=True)
+                    T.clear(part)
+                    for jb in T.serial(V // BK):
+                        for r, j in T.Parallel(K, BK):
+                            sk[r, j] = T.cast(s0_s[r, jb * BK + j], accum) * T.cast(ds_s[r, jb * BK + j], accum)
+                        T.reduce_sum(sk, part, dim=1, clear=False)
+                    T.reduce_sum(part, tot, dim=0)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(ds_free)
+                    T.barrier_arrive(u_free)
+                    for r, j in T.Parallel(C, K):
+                        acc_g[r, j] = acc_g[r, j] * eu_g[r]
+                    row_dot(acc_g, k_s, tmp_g, de_g)
+                    T.reduce_sum(de_g, carry, dim=0)
+                    # - diag(Gamma) dX S0^T: its rows (.) K are X's term (the rows now hold both)
+                    T.barrier_wait(gx_ready, ph)
+                    T.wgmma_gemm(gx_s, s0_s, acc_g, transpose_B=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(gx_free)
+                    row_dot(acc_g, k_s, tmp_g, row_g)
+                    for r in T.Parallel(C):
+                        dgam[r] += row_g[r] - 2.0 * de_g[r]
+                    T.wgmma_gemm(pd_s, q_s, acc_g, transpose_A=True)                  # + dPD^T Q
+                    T.barrier_wait(h_ready, ph)
+                    T.wgmma_gemm(h_s, k_s, acc_g)                                       # + H K
+                    T.wgmma_gemm(h_s, k_s, acc_g, transpose_A=True)                     # + H^T K
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(pd_free)
+                    for r, j in T.Parallel(C, K):
+                        if r < n_valid:
+                            dk[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
+                    for r in T.Parallel(C):
+                        dg_s[r] = T.if_then_else(
+                            r < n_valid,
+                            dgam[r] + dgp_s[r] + T.if_then_else(r == n_valid - 1, T.exp(g_last) * tot[0] + carry[0],
+                                                                0.0),
+                            0.0)
+                    T.barrier_arrive(h_free)
+                    T.barrier_arrive(freed)
+                    if tx == 384:   # dg: the reverse cumsum within the chunk
+                        run = 0.0
+                        for j in T.serial(C):
+                            if C - 1 - j < n_valid:
+                                run = run + dg_s[C - 1 - j]
+                                dg[0, t0 + C - 1 - j, hv] = run
+
+    return gdn_backward_fused
