@@ -11,17 +11,17 @@ Q, K, V and dO, with P = s Q K^T (.) D_incl:
     dTb = dU X^T -> dT = dTb diag(beta) -> M = T^T dT -> dA = strictly_lower(-M T^T) -> H = diag(beta) dA (.) D
     dbeta, dgamma (then dg, its reverse cumsum) term for term as chunk_grads.py
 
-Four warpgroups, each with its own register budget (setmaxnreg; the budgets sum to 512):
+Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G_REGS below, summing to 512):
 
-    owner (threads   0-127, 160)  dS: hands bf16 dS_end over, dS <- Gamma_C dS, scales dO's tile in place to
-                                  s diag(Gamma) dO once every other role has read it, dS += Q^T (that), then
-                                  dS += K^T (-Gamma dX) when x hands it over
-    x     (threads 128-255, 112)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
-                                  dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
-                                  and g, dv; and the TMA loads of the next chunk once every role is done
-    p     (threads 256-383, 120)  the 64 x 64 work: P, dPD, dT, M, H; dbeta, and dgamma's P and A terms
-    g     (threads 384-511, 120)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
-                                  accumulator's rows against Q or K, <S0, dS_end>, and dg
+    owner (threads   0-127)  dS: hands bf16 dS_end over, dS <- Gamma_C dS, scales dO's tile in place to
+                             s diag(Gamma) dO once every other role has read it, dS += Q^T (that), then
+                             dS += K^T (-Gamma dX) when x hands it over
+    x     (threads 128-255)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
+                             dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
+                             and g, dv; and the TMA loads of the next chunk once every role is done
+    p     (threads 256-383)  the 64 x 64 work: P, dPD, dT, M, H; dbeta, and dgamma's P and A terms
+    g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
+                             accumulator's rows against Q or K, <S0, dS_end>, and dg
 
 The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 14, p 17, g 20. dq and dk leave per value head
 (bf16); the host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles: one
