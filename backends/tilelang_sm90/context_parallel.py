@@ -97,9 +97,9 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     """Chunks per segment for the wide route (forward.py, inference): the chained route with one 128-column
     state-pass program per (segment, head), or None. Segments are cut where one program per (sequence, head)
     fills less than `fill` of the SMs, every sequence at one length, the shortest that keeps the (segment, head)
-    pairs within one wave (H200, session 12: the wide pass walks a chunk in ~2.7 us at 128 columns where the 64-column one needs ~2.0
-    us for half of it, and loads Q, K and Tb once per head); None where even those segments leave the pairs
-    short of `fill`. Forced SEGMENT_CHUNKS leaves segmenting to the other routes (their tests)."""
+    pairs within one wave (H200, session 12: the wide pass walks a chunk in ~2.7 us at 128 columns where the
+    64-column one needs ~2.0 us for half of it, and loads Q, K and Tb once per head); None where even those
+    segments leave the pairs short of `fill`. Forced SEGMENT_CHUNKS leaves segmenting to the other routes (their tests)."""
     pairs = len(layout.lengths) * HV
     if SEGMENT_CHUNKS is not None or sms == 0 or pairs >= fill * sms:
         return None
