@@ -303,9 +303,10 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
     dv = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=s.v.dtype)
     dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
-    # S0's buffer is the exact route's scratch for dh before the recompute fills it
+    # S0's buffer is the exact route's scratch for dh before the recompute fills it (and dq_hv, dv for its dU, dV:
+    # that reverse pass writes them only for the pairs the warm-up left unsettled, and the kernel overwrites them)
     hs = None if s.hs is not None else torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
-    seg = forward.wide_segment_chunks(layout, HV, dev) if context_parallel.available() else None
+    seg = forward.wide_segment_chunks(layout, HV, dev)
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     if seg:
         plan = context_parallel.plan_segments(layout, seg)
