@@ -102,6 +102,9 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
     for pk, cells in by_point.items():
         _, H, HV, label, B = pk
         line = [str(H), str(HV), str(B) if pass_ == "decode" else label]
+        # an anchor figure from another run than the rows it is compared with: reused by a later run (its own
+        # flag), or measured live in an earlier run whose gdnkit rows a later run replaced (theirs)
+        other_run = any(not cells[o].get("anchor_same_run", True) for o in ours if o in cells)
         for i in impls:
             r = cells.get(i)
             if r is None:
@@ -112,7 +115,7 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
                 gbps = (details.get(key_str(row_key(r))) or {}).get("state_GBps")
                 if gbps:
                     txt += f" ({gbps:.4g} GB/s)"
-            if not r.get("anchor_same_run", True) and i in (ANCHOR_FLA, ANCHOR_QLA):
+            if i in (ANCHOR_FLA, ANCHOR_QLA) and (other_run or not r.get("anchor_same_run", True)):
                 txt += "*"
             line.append(txt)
         for c in ratio_cols:

@@ -360,6 +360,10 @@ def test_report_ratios_and_chart(tmp_path):
     assert "gdnkit:t vs FLA" in md and "gdnkit:t vs FlashQLA" in md and "flashqla vs FLA" in md
     assert "| 2 | 8 | 1x2048 | 1.000 | 0.5000 | 0.2500 | 2.00x | 4.00x | 2.00x |" in md
     assert "2.000*" in md  # a cached anchor is marked
+    # a live anchor row whose gdnkit row a later run replaced (that row says its anchors are another run's)
+    later = report.markdown([row("fla", 1.0), row("flashqla", 0.5), row("gdnkit:t", 0.25, same=False)],
+                            report.empty_details())
+    assert "| 2 | 8 | 1x2048 | 1.000* | 0.5000* | 0.2500 |" in later
     assert "**2.83x**" in md  # geomean of 4x and 2x
     assert report.chart(rows, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
 
