@@ -259,6 +259,22 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
+def test_fused_backward_trace_stamps_every_role():
+    """benchmarks/trace_fused.py's stamped copy of the fused backward compiles for sm_90a with one clock64 read per
+    event it names (each event's line found once in its role: a kernel edit that moves one fails here first), and
+    its summary takes each event's clocks from the owner's landed of the same chunk."""
+    _tilelang()
+    from gdnkit.benchmarks import trace_fused as tf
+    src = tf.compile_stamped(2, 4, "bfloat16", True, True, chunks=4).get_kernel_source()
+    assert src.count("clock64()") == sum(len(events) for events in tf.EVENTS.values())
+    stamps = torch.full((1, 1, 4, 3, tf.N_EVENTS), -1, dtype=torch.int64)
+    stamps[0, 0, :, :, 0] = torch.tensor([0, 1000, 2500])                   # every role lands with the owner
+    stamps[0, 0, 3, :, 1] = torch.tensor([10, 1100, 2620])                  # g's second event
+    summary = tf.summarize(stamps)
+    assert summary["step"] == 1500 and summary["events"]["g.dq_first"] == 110
+    assert summary["events"]["x.landed"] == 0 and summary["events"]["p.end"] is None
+
+
 @pytest.mark.parametrize("H,HV,dtype", [(4, 8, "float16")])
 def test_chunk_grads_compiles_to_wgmma_and_tma(H, HV, dtype):
     """The backward's per-chunk kernel: its ten tiles by TMA, every product on wgmma (21 call sites: 16
