@@ -58,7 +58,7 @@ def _warm(args) -> int:
         return 2
     from gdnkit.backends.tilelang_sm90 import precompile
     jobs = [job for H, HV in heads for dtype in dtypes
-            for job in precompile.family(H, HV, dtype, training=not args.inference)]
+            for job in precompile.family(H, HV, dtype, training=not args.inference, backward=args.backward)]
     print(f"building {len(jobs)} tilelang_sm90 kernels on {args.jobs} processes "
           f"(cache: {os.environ.get('TILELANG_CACHE_DIR', '~/.tilelang/cache')})")
     start = time.monotonic()
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--heads", required=True, help="H x HV pairs, comma-separated, e.g. 4x8,16x32")
     warm.add_argument("--dtypes", default="bfloat16", help="bfloat16, float16 or both, comma-separated")
     warm.add_argument("--inference", action="store_true", help="the forward's kernels only (no training)")
+    warm.add_argument("--backward", choices=("both", "staged", "fused"), default="both",
+                      help="training: the default backward's kernels (staged), the fused one's "
+                           "(GDNKIT_SM90_FUSED_BACKWARD=1), or both")
     warm.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel build processes")
     sub.add_parser("bench", help="the benchmark harness (python -m gdnkit bench --help)")
     args = parser.parse_args(argv)

@@ -27,12 +27,18 @@ class Job(NamedTuple):
         return f"{self.factory}{self.args}"
 
 
-def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
+BACKWARDS = ("both", "staged", "fused")
+
+
+def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "both") -> list[Job]:
     """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
     without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
     propagator), and with `training` the intra kernel that also writes T, the state pass that stores S0 (without
-    output: the backward's recompute; with it: the forward with KEEP_STATES), the reverse pass and the per-chunk
-    gradients."""
+    output: the backward's recompute; with it: the forward with KEEP_STATES), and the backward's: `staged` the
+    reverse pass and the per-chunk gradients (backward.py's default), `fused` the fused kernel and the unchained
+    reverse pass its segments' gated route runs (backward.FUSED), `both` all of them."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
     from .forward import WS_BLOCK_V
 
     flags = (False, True)
@@ -51,13 +57,16 @@ def family(H: int, HV: int, dtype: str, training: bool = True) -> list[Job]:
                  for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags)]  # recompute
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES
                  for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
+        chains = flags if backward != "fused" else (False,)   # the fused path's segments walk no chain
         jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained))
-                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]
-        # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
-        jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]
-        # the fused backward (backward.FUSED), from a dS_end (dht or a segment's) or not, storing dh0 or not
-        jobs += [Job("backward", "backward_fused_kernel", (H, HV, dtype, dinit, dh0))
-                 for dinit, dh0 in itertools.product(flags, flags)]
+                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), chains)]
+        if backward != "fused":
+            # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
+            jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]
+        if backward != "staged":
+            # the fused backward, from a dS_end (dht or a segment's) or not, storing dh0 or not
+            jobs += [Job("backward", "backward_fused_kernel", (H, HV, dtype, dinit, dh0))
+                     for dinit, dh0 in itertools.product(flags, flags)]
     return jobs
 
 
