@@ -1441,14 +1441,18 @@ def test_chunk_grads_matches_reference_chunked_backward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,HV,lengths,state", [(2, 4, (200,), True), (4, 16, (77, 0, 1000, 1333), True),
-                                                (2, 8, (8200,), True), (16, 32, (4096,), False)],
-                         ids=["one", "varlen", "segments", "16x32"])
-def test_backward_fused_matches_float64(H, HV, lengths, state, monkeypatch):
+@pytest.mark.parametrize("H,HV,lengths,state,final", [(2, 4, (200,), True, True),
+                                                      (4, 16, (77, 0, 1000, 1333), True, True),
+                                                      (2, 8, (8200,), True, True), (16, 32, (4096,), False, True),
+                                                      (4, 8, (1000, 333), False, False)],
+                         ids=["one", "varlen", "segments", "16x32", "no-states"])
+def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatch):
     """The fused backward (backward_fused.py, one launch after the S0 recompute) through the public API: every
     gradient against the float64 chunked backward, with GVA; a chunk tail of 8 (one), sequences of odd and zero
     length with initial states (varlen), one long sequence in the wide route's segments, each from its dS_end by
-    the gated route (segments), 16/32 without states; and the same call twice, bitwise."""
+    the gated route (segments), 16/32 without an initial state, and a training call with neither state (the
+    kernel's dS from zero, no dh0: the usual training call; added in session 15 after its last GPU run); and the
+    same call twice, bitwise."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -1471,20 +1475,22 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, monkeypatch):
     runs = []
     for _ in range(2):
         leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-        o, ht = gdnkit.chunk_gated_delta_rule(**leaves, output_final_state=True, cu_seqlens=cu, backend="tilelang_sm90")
-        runs.append(dict(zip(leaves, torch.autograd.grad([o, ht], list(leaves.values()), [do, dht]))))
+        o, ht = gdnkit.chunk_gated_delta_rule(**leaves, output_final_state=final, cu_seqlens=cu,
+                                              backend="tilelang_sm90")
+        outs, grads = ([o, ht], [do, dht]) if final else ([o], [do])
+        runs.append(dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), grads))))
     assert launched, "the fused kernel did not run"
     rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
     want = {n: [] for n in ("q", "k", "v", "g", "beta", "initial_state")}
     with torch.no_grad():
         for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-            if a == b:   # no tokens: dh0 is dht
-                want["initial_state"].append(dht[n:n + 1].double())
+            if a == b:   # no tokens: dh0 is dht (zero without a final state)
+                want["initial_state"].append(dht[n:n + 1].double() * final)
                 continue
             h0 = x["initial_state"][n:n + 1].double() if state else None
             ref = chunked_gdn_backward(rep(x["q"][:, a:b]), rep(x["k"][:, a:b]), x["v"][:, a:b].double(),
                                        x["g"][:, a:b].double(), x["beta"][:, a:b].double(), K ** -0.5,
-                                       do[:, a:b].double(), h0=h0, dht=dht[n:n + 1].double())
+                                       do[:, a:b].double(), h0=h0, dht=dht[n:n + 1].double() if final else None)
             for name, t in (("q", _fold_group(ref.dq, H)), ("k", _fold_group(ref.dk, H)), ("v", ref.dv),
                             ("g", ref.dg), ("beta", ref.dbeta), ("initial_state", ref.dh0)):
                 want[name].append(t)
