@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--heads", required=True, help="H x HV pairs, comma-separated, e.g. 4x8,16x32")
     warm.add_argument("--dtypes", default="bfloat16", help="bfloat16, float16 or both, comma-separated")
     warm.add_argument("--inference", action="store_true", help="the forward's kernels only (no training)")
-    warm.add_argument("--backward", choices=("both", "staged", "fused"), default="both",
+    from gdnkit.backends.tilelang_sm90.precompile import BACKWARDS
+    warm.add_argument("--backward", choices=BACKWARDS, default="both",
                       help="training: the default backward's kernels (staged), the fused one's "
                            "(GDNKIT_SM90_FUSED_BACKWARD=1), or both")
     warm.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel build processes")
