@@ -30,16 +30,16 @@ EVENTS = {
               ("end", "T.barrier_arrive(freed)")],
     "x": [("landed", "landed(loaded,"), ("u_ready", "T.barrier_arrive(u_ready)"),
           ("ds_in", "T.barrier_wait(ds_ready, ph)"), ("p_in", "T.barrier_wait(p_ready, ph)"),
-          ("du_ready", "T.barrier_arrive(du_ready)"), ("gx_ready", "T.barrier_arrive(gx_ready)"),
-          ("dv_stored", "T.barrier_arrive(freed)"), ("all_freed", "T.barrier_wait(freed, ph)")],
+          ("gx_ready", "T.barrier_arrive(gx_ready)"), ("m_ready", "T.copy(xf2, p_s)"),
+          ("h_ready", "T.barrier_arrive(h_ready)"), ("end", "T.barrier_arrive(freed)"),
+          ("all_freed", "T.barrier_wait(freed, ph)")],
     "p": [("landed", "landed(loaded,"), ("p_ready", "T.barrier_arrive(p_ready)"),
           ("u_in", "T.barrier_wait(u_ready, ph)"), ("pd_ready", "T.barrier_arrive(pd_ready)"),
-          ("du_in", "T.barrier_wait(du_ready, ph)"), ("h_ready", "T.barrier_arrive(h_ready)"),
-          ("end", "T.barrier_arrive(freed)")],
+          ("gp_ready", "T.barrier_arrive(gp_ready)"), ("end", "T.barrier_arrive(freed)")],
     "g": [("landed", "landed(loaded,"), ("dq_first", "T.barrier_arrive(do_read)"),
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),
           ("gx_in", "T.barrier_wait(gx_ready, ph)"), ("h_in", "T.barrier_wait(h_ready, ph)"),
-          ("end", "T.barrier_arrive(freed)")],
+          ("gp_in", "T.barrier_wait(gp_ready, ph)"), ("end", "T.barrier_arrive(freed)")],
 }
 N_EVENTS = max(len(v) for v in EVENTS.values())
 # the role branches as backward_fused.py opens them (at this indentation)

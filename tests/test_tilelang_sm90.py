@@ -244,15 +244,16 @@ def test_backward_state_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
 @pytest.mark.parametrize("H,HV,dtype,dinit", [(16, 32, "bfloat16", True), (4, 8, "float16", False)])
 def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     """The fused backward (the reverse pass with the per-chunk gradients): its eight tiles a chunk by TMA, every
-    product on wgmma, four roles each with its register budget (setmaxnreg summing to 512 a thread), no barrier
-    under a thread subset, its shared memory within a block's."""
+    product on wgmma, dv and dk by TMA stores, four roles each with its register budget (setmaxnreg summing to 512
+    a thread), no barrier under a thread subset, its shared memory within a block's."""
     _tilelang()
     from gdnkit.backends.tilelang_sm90 import backward_fused as bf
     kernel = _kernel("backward_fused", H, HV, dtype, has_dinit=dinit, store_dh0=True)
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "mma_sync" not in src
-    assert src.count("wgmma_ss<") == 24   # owner 2, x 5, p 10, g 7
+    assert src.count("wgmma_ss<") == 24   # owner 2, x 12 (dX twice), p 4, g 6
+    assert src.count("tma_store(") == 2    # a full chunk's dv and dk
     for n in (bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS):   # raised above the launch's 128 a thread, or lowered
         assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
     assert ("(dinit + " in src) == dinit
@@ -702,12 +703,34 @@ def test_wide_route_picked_by_the_longest_walk():
         assert torch.equal(plain_cu, torch.zeros_like(plain_cu) if wide else layout.cu_seqlens)
 
 
+def test_wide_route_in_waves_picked_by_the_longest_walk():
+    """16/48 with 28672 + 4096 tokens in 64-chunk segments: 8 x 48 programs in three waves of the SMs, each wave
+    as long as its longest program, against the plain pass at 128 columns (one wide step for one): a walk of a
+    chunk keeps the segments (3 x 65 steps against 448), a slow head's 100-chunk walk does not (3 x 164)."""
+    pytest.importorskip("triton")
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    layout = seqlayout.sequence_layout(torch.tensor([0, 28672, 32768]))
+    plan = context_parallel.plan_segments(layout, 64)
+    assert plan.own.tolist() == [64] * 8
+    settle = torch.ones(8, 48, dtype=torch.int32)
+    slow = settle.clone()
+    slow[3, 7] = 100
+    for walk, wide in ((settle, True), (slow, False)):
+        *_, choice = context_parallel.pick(plan, walk, layout, waves=3)
+        assert bool(choice) == wide
+    # in one wave (against the 64-column pass) the same segments are cheaper than its 448 steps even slow
+    assert bool(context_parallel.pick(plan, slow, layout, waves=1)[-1])
+
+
+@pytest.mark.parametrize("waves", [1, 3])
 @pytest.mark.parametrize("picked", ["wide", "plain"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
-def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
-    """With the wide route the forward launches both its pass over segments and the 64-column pass without
-    segments, and the device picks one (context_parallel.pick): the other runs over empty sequences. Either pick
-    gives the plain path's output and final states (float64 stand-ins of the kernels)."""
+def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch):
+    """With the wide route the forward launches both its pass over segments and the pass without segments (at 64
+    columns beside one wave of segments, at 128 beside several), and the device picks one (context_parallel.pick):
+    the other runs over empty sequences. Either pick gives the plain path's output and final states (float64
+    stand-ins of the kernels)."""
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -718,13 +741,19 @@ def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
     calls = []
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
-    monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2)   # the wide route, on a CPU
-    monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0 if picked == "wide" else 1e9)
+    # the wide route, on a CPU: 2-chunk segments in one wave or in several
+    monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2 if waves == 1 else None)
+    monkeypatch.setattr(context_parallel, "wide_waves_segment_chunks", lambda *_: (2, waves))
+    ratio = "WIDE_STEP_RATIO" if waves == 1 else "WAVES_STEP_RATIO"
+    monkeypatch.setattr(context_parallel, ratio, 0.0 if picked == "wide" else 1e9)
     launched = []   # per state-pass launch: (chained, whether any of its sequences has a token)
+    block_vs = []   # the unchained (plain) pass's V tile
     factory = fwd.state_output_kernel
 
     def recording(*args):
         kernel, chained = factory(*args), args[-1]
+        if not chained:
+            block_vs.append(args[5])
         return lambda *a: launched.append((chained, bool(a[5].diff().any()))) or kernel(*a)
     monkeypatch.setattr(fwd, "state_output_kernel", recording)
 
@@ -744,6 +773,7 @@ def test_wide_route_choice_host_side(lengths, state, picked, monkeypatch):
     assert got["context_parallel"] == "chained" and got["wide_segments"]
     assert bool(got["wide_choice"]) == (picked == "wide")
     assert sorted(launched) == sorted([(True, picked == "wide"), (False, picked == "plain")]), launched
+    assert block_vs == [64 if waves == 1 else 128]
     d = lambda t: None if t is None else t.double()  # noqa: E731
     p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
                                output_final_state=True, cu_seqlens=cu)
@@ -1250,7 +1280,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu)
         layout = fwd.seqlayout.sequence_layout(cu)
-        seg, wide = fwd._segments(layout, HV, q.device, train=False)
+        seg, waves = fwd._segments(layout, HV, q.device, train=False)
+        wide = waves > 0
         assert seg and wide == (route == "wide")  # segments are cut
         got = {}
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
@@ -1336,6 +1367,34 @@ def test_wide_segment_rule(H, HV, lengths, expected, monkeypatch):
     assert context_parallel.wide_segment_chunks(layout, HV, sms=0, fill=0.7) is None   # off CUDA
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)   # forced segments keep the other routes
     assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) is None
+
+
+@pytest.mark.parametrize("H,HV,lengths,expected", [
+    (16, 48, [28672, 4096], (64, 3)),   # 96 pairs fill the SMs, the long sequence dominates: 384 programs
+    (16, 48, [4096, 28672], (64, 3)),
+    (16, 64, [28672, 4096], (64, 4)),
+    (16, 64, [24576, 8192], (128, 2)),  # 2 x 130 steps against 384
+    (16, 48, [16384] * 2, (64, 3)),     # 198 steps against 256
+    (16, 64, [16384] * 2, None),        # 264 against 256: the plain pass
+    (16, 64, [4096] * 8, None),         # the total work, not one sequence, bounds the plain pass
+    (2, 8, [32768], None),              # 8 pairs: the one-wave rule's (wide_segment_chunks)
+    (16, 64, [2048, 128], None),        # no cut of at least 32 chunks pays
+])
+def test_wide_waves_segment_rule(H, HV, lengths, expected, monkeypatch):
+    """Where one program per (sequence, head) fills the SMs already, the wide route still cuts segments, in
+    several waves, when the longest sequence bounds the plain pass and the waves cost at most WAVES_MARGIN of
+    it; the forward takes it only where the one-wave rule declines."""
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import context_parallel
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    layout = seqlayout.sequence_layout(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
+    assert context_parallel.wide_waves_segment_chunks(layout, HV, sms=132, fill=0.7) == expected
+    if expected:
+        assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) is None
+    assert context_parallel.wide_waves_segment_chunks(layout, HV, sms=0, fill=0.7) is None   # off CUDA
+    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)   # forced segments keep the other routes
+    assert context_parallel.wide_waves_segment_chunks(layout, HV, sms=132, fill=0.7) is None
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("wide", [False, True], ids=["bv64", "wide"])

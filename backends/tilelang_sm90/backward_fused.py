@@ -7,7 +7,7 @@ Q, K, V and dO, with P = s Q K^T (.) D_incl:
     dU  = diag(Gamma_C / Gamma) K dS_end + P^T dO,   dX = Tb^T dU  (= dV)
     dS0 = Gamma_C dS_end + Q^T (s diag(Gamma) dO) - K^T (diag(Gamma) dX)
     dq  = diag(s Gamma) dO S0^T + dPD K,   dPD = s dO U^T (.) D_incl
-    dk  = diag(Gamma_C / Gamma) U dS_end^T - diag(Gamma) dX S0^T + dPD^T Q + H K + H^T K
+    dk  = diag(Gamma_C / Gamma) U dS_end^T - diag(Gamma) dX S0^T + dPD^T Q + (H + H^T) K
     dTb = dU X^T -> dT = dTb diag(beta) -> M = T^T dT -> dA = strictly_lower(-M T^T) -> H = diag(beta) dA (.) D
     dbeta, dgamma (then dg, its reverse cumsum) term for term as chunk_grads.py
 
@@ -18,20 +18,25 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              dS += K^T (-Gamma dX) when x hands it over
     x     (threads 128-255)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
                              dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
-                             and g, dv; and the TMA loads of the next chunk once every role is done
-    p     (threads 256-383)  the 64 x 64 work: P, dPD, dT, M, H; dbeta, and dgamma's P and A terms
+                             and g; then, while the owner closes the chain, the solve's backward from dU (dT, M,
+                             H + H^T; dbeta, dgamma's A terms) and dv; and the TMA loads of the next chunk once
+                             every role is done
+    p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms
     g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
                              accumulator's rows against Q or K, <S0, dS_end>, and dg
 
-The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 14, p 17, g 20. dq and dk leave per value head
-(bf16); the host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles: one
-`freed` barrier a chunk, the next chunk's loads behind every role's last read.
+The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 25 (dX twice: for the chain, then for dv's
+store), p 8, g 18. Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk
+(clock64 trace, 16/32 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from
+~15800); in x it paces the step the same way (~45400 clocks, JOURNAL). dq and dk leave per value head (bf16); the
+host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles: one `freed` barrier a
+chunk, the next chunk's loads behind every role's last read.
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
     loaded (x's loads)  freed (all 512)        ds_ready (owner)  ds_free (x, g)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
-    du_ready (x)        du_free (p)            gx_ready (x)      gx_free (owner, g)
-    pd_ready (p)        pd_free (g)            h_ready (p: H and its dgamma part)      h_free (g)
+    gx_ready (x)        gx_free (owner, g; g waits it too: Q's last readers are done)  pd_ready (p)  pd_free (g)
+    gp_ready (p: dgamma's P terms)             h_ready (x: H + H^T, dgamma's A terms)      h_free (g)
 
 Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
 per-row factors are 0 there (Gamma, Gamma_C / Gamma, s Gamma, beta), and P, dPD, D and the dT rows are masked.
@@ -46,9 +51,10 @@ THREADS = 512
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 # registers per thread of each role (setmaxnreg; a role starts at 65536 / 512 = 128 and raises or lowers it), so
-# the four sum to 512. The split with the fewest spills among those ptxas was asked for (CPU builds, session 15:
-# 364 bytes; p at 112 alone spilled ~470, g at 128 ~1900)
-OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 96, 144, 112
+# the four sum to 512. x holds its [64, 128] accumulator or the solve's two 64 x 64 ones, p two 64 x 64 ones
+# (below 128 it spilled ~90 stores' worth in the CPU build's SASS); session 15's split, with the solve in p, was
+# 160 / 96 / 144 / 112
+OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 112, 128, 112
 
 
 def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: bool = False,
@@ -138,19 +144,20 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             # hand-overs
             ds_s = T.alloc_shared((K, V), dtype)      # bf16 dS_end: owner -> x, g
             u_s = T.alloc_shared((C, V), dtype)       # U: x -> p, g
-            du_s = T.alloc_shared((C, V), dtype)      # dU: x -> p
+            du_s = T.alloc_shared((C, V), dtype)      # dU (x's), then dV's staging for its TMA store
             gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g
-            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), then p's own dT and M (x has read P by dU)
+            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), then x's own dT and M (it has read P by dU)
             pd_s = T.alloc_shared((C, C), dtype)      # dPD: p -> g
-            h_s = T.alloc_shared((C, C), dtype)       # H: p -> g
+            h_s = T.alloc_shared((C, C), dtype)       # H + H^T: p -> g
             # per-row factors, one set per role (a (C,) fragment under a (C, V) loop runs on a 64-thread replica)
             sg_o = T.alloc_shared((C,), accum)        # owner: s Gamma
             eg_x = T.alloc_shared((C,), accum)        # x: Gamma
             eu_x = T.alloc_shared((C,), accum)        # x: Gamma_C / Gamma
-            b_s = T.alloc_shared((C,), accum)         # p: beta
+            b_s = T.alloc_shared((C,), accum)         # x: beta
             sg_g = T.alloc_shared((C,), accum)        # g: s Gamma
             eu_g = T.alloc_shared((C,), accum)        # g: Gamma_C / Gamma
-            dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P and A terms
+            dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P terms
+            dga_s = T.alloc_shared((C,), accum)       # x -> g: dgamma's A terms
             dg_s = T.alloc_shared((C,), accum)        # g: dgamma before its reverse cumsum
 
             dS = T.alloc_fragment((K, V), accum)      # owner
@@ -159,7 +166,11 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             f2 = T.alloc_fragment((C, C), accum)      # p
             row_p = T.alloc_fragment((C,), accum)
             dgp = T.alloc_fragment((C,), accum)
-            dbt = T.alloc_fragment((C,), accum)
+            xf1 = T.alloc_fragment((C, C), accum)     # x: the solve's backward
+            xf2 = T.alloc_fragment((C, C), accum)
+            row_x = T.alloc_fragment((C,), accum)
+            dbx = T.alloc_fragment((C,), accum)
+            dga = T.alloc_fragment((C,), accum)
             acc_g = T.alloc_fragment((C, K), accum)   # g: dq, then dk
             tmp_g = T.alloc_fragment((C, V), accum)
             row_g = T.alloc_fragment((C,), accum)
@@ -169,8 +180,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             part = T.alloc_fragment((K,), accum)
             tot = T.alloc_fragment((1,), accum)       # <S0, dS_end>
             carry = T.alloc_fragment((1,), accum)     # the state decay's terms summed (Gamma_C's share)
+            sfx = T.alloc_fragment((C,), accum)       # g: dg, the suffix sums of dg_s
             g_last = T.alloc_var(accum)
-            run = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=128)
             freed = T.alloc_barrier(arrive_count=512)
@@ -180,8 +191,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             u_free = T.alloc_barrier(arrive_count=256)
             p_ready = T.alloc_barrier(arrive_count=128)
             do_read = T.alloc_barrier(arrive_count=384)
-            du_ready = T.alloc_barrier(arrive_count=128)
-            du_free = T.alloc_barrier(arrive_count=128)
+            gp_ready = T.alloc_barrier(arrive_count=128)
             gx_ready = T.alloc_barrier(arrive_count=128)
             gx_free = T.alloc_barrier(arrive_count=256)
             pd_ready = T.alloc_barrier(arrive_count=128)
@@ -232,6 +242,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r in T.Parallel(C):
                         eg_x[r] = T.if_then_else(r < n_valid, T.exp(g_s[r]), 0.0)
                         eu_x[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[r]), 0.0)
+                        b_s[r] = T.if_then_else(r < n_valid, beta[0, t0 + r, hv], 0.0)
+                    T.clear(acc_x)   # a new live range (see the dv store's)
                     T.wgmma_gemm(k_s, s0_s, acc_x, clear_accum=True)               # K S0
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, V):
@@ -254,10 +266,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(p_s, do_s, acc_x, transpose_A=True)               # + P^T dO: dU
                     T.wait_wgmma(0)
                     T.barrier_arrive(do_read)
-                    T.barrier_wait(du_free, ph ^ 1)
-                    T.copy(acc_x, du_s)
+                    T.copy(acc_x, du_s)                        # x is dU's only reader
                     T.fence_proxy_async()
-                    T.barrier_arrive(du_ready)
                     T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
                     T.wait_wgmma(0)
                     T.barrier_wait(gx_free, ph ^ 1)
@@ -265,21 +275,84 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         gx_s[r, j] = -eg_x[r] * acc_x[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(gx_ready)
-                    for r, j in T.Parallel(C, V):
+                    # the solve's backward, from dU (off the chain, which the owner closes meanwhile): dTb = dU X^T
+                    # -> dT = dTb diag(beta) (into P's tile, read by dU already); dbeta = rows of X dU^T (.) T^T
+                    T.clear(xf2)   # the solve's accumulators live only through it (see acc_x's below)
+                    T.wgmma_gemm(du_s, vx_s, xf2, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    for r, c in T.Parallel(C, C):
+                        p_s[r, c] = T.if_then_else(r < n_valid, xf2[r, c] * b_s[c], 0.0)
+                    T.clear(xf1)
+                    T.wgmma_gemm(vx_s, du_s, xf1, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    for r, c in T.Parallel(C, C):
+                        xf1[r, c] = T.if_then_else(c < n_valid, xf1[r, c] * T.cast(t_s[c, r], accum), 0.0)
+                    T.reduce_sum(xf1, dbx, dim=1)
+                    T.fence_proxy_async()
+                    # M = T^T dT (in place of dT); dA = -M T^T strictly lower; K K^T
+                    T.wgmma_gemm(t_s, p_s, xf2, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.copy(xf2, p_s)
+                    T.fence_proxy_async()
+                    T.wgmma_gemm(k_s, k_s, xf1, transpose_B=True, clear_accum=True)     # K K^T
+                    T.wgmma_gemm(p_s, t_s, xf2, transpose_B=True, clear_accum=True)     # M T^T
+                    T.wait_wgmma(0)
+                    # H = diag(beta) dA (.) D; dbeta += rows of dA (.) K K^T (.) D; dgamma += beta (.) the same
+                    T.barrier_wait(h_free, ph ^ 1)
+                    for r, c in T.Parallel(C, C):   # H's triangle and the diagonal; H^T's below
+                        if r >= c:
+                            h_s[r, c] = T.if_then_else((r > c) & (r < n_valid),
+                                                       -b_s[r] * xf2[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                    for r, c in T.Parallel(C, C):
+                        xf2[r, c] = T.if_then_else((r > c) & (r < n_valid),
+                                                   -xf2[r, c] * xf1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                    T.reduce_sum(xf2, row_x, dim=1)
+                    for r in T.Parallel(C):
+                        dbx[r] += row_x[r]
+                        dga[r] = b_s[r] * row_x[r]
+                    # ... minus its columns: rows of (diag(beta) dA (.) K K^T (.) D)^T, dA^T = -T M^T
+                    T.wgmma_gemm(t_s, p_s, xf2, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    # H^T (the upper triangle of H + H^T, g's one product with K) is this product's too:
+                    # H^T[r, c] = H[c, r] = -beta_c (M T^T)[c, r] D[c, r] = -beta_c (T M^T)[r, c] D[c, r]
+                    for r, c in T.Parallel(C, C):
+                        if c > r:
+                            h_s[r, c] = T.if_then_else(c < n_valid, -b_s[c] * xf2[r, c] * T.exp(g_s[c] - g_s[r]),
+                                                       0.0)
+                        xf2[r, c] = T.if_then_else((c > r) & (c < n_valid),
+                                                   -b_s[c] * xf2[r, c] * xf1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                    T.reduce_sum(xf2, row_x, dim=1)
+                    for r in T.Parallel(C):
+                        dga_s[r] = dga[r] - row_x[r]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(h_ready)
+                    for r in T.Parallel(C):
                         if r < n_valid:
-                            dv[0, t0 + r, hv, j] = T.cast(acc_x[r, j], dtype)
+                            dbeta[0, t0 + r, hv] = dbx[r]
+                    # dv = dX made again from dU's tile, once g has H (one 64 x 128 x 64 product where keeping dX
+                    # through the solve took 32 registers more than x has), staged there: a full chunk leaves by one TMA
+                    # store, a tail chunk's valid rows by threads (a box would overwrite the next sequence's)
+                    T.clear(acc_x)   # a new live range: ptxas reads a wgmma's accumulator even where it clears it
+                    T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.copy(acc_x, du_s)
+                    T.fence_proxy_async()
+                    if n_valid == C:
+                        T.copy(du_s, dv[0, t0:t0 + C, hv, 0:V])
+                    else:
+                        for r, j in T.Parallel(C, V):
+                            if r < n_valid:
+                                dv[0, t0 + r, hv, j] = du_s[r, j]
                     T.barrier_arrive(freed)
                     T.barrier_wait(freed, ph)
                     if i + 1 < n_chunks:
                         load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
                              bos, c0, n_chunks, hk, hv, i + 1)
             elif tx < 384:
-                # ---- p: P, dPD, dT, M, H; dbeta; dgamma's P and A terms ----
+                # ---- p: P, dPD; dgamma's P terms ----
                 T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
-                    for r in T.Parallel(C):
-                        b_s[r] = T.if_then_else(r < n_valid, beta[0, t0 + r, hv], 0.0)
                     T.wgmma_gemm(q_s, k_s, f1, transpose_B=True, clear_accum=True)     # Q K^T
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
@@ -312,53 +385,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                                                   scale * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
                     T.reduce_sum(f1, row_p, dim=1)
                     for r in T.Parallel(C):
-                        dgp[r] -= row_p[r]
-                    # dTb = dU X^T -> dT = dTb diag(beta) (into P's tile); dbeta = rows of X dU^T (.) T^T
-                    T.barrier_wait(du_ready, ph)
-                    T.wgmma_gemm(du_s, vx_s, f2, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(vx_s, du_s, f1, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(du_free)
-                    for r, c in T.Parallel(C, C):
-                        p_s[r, c] = T.if_then_else(r < n_valid, f2[r, c] * b_s[c], 0.0)
-                    for r, c in T.Parallel(C, C):
-                        f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
-                    T.reduce_sum(f1, dbt, dim=1)
-                    T.fence_proxy_async()
-                    # M = T^T dT (in place of dT); dA = -M T^T strictly lower; K K^T
-                    T.wgmma_gemm(t_s, p_s, f2, transpose_A=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.copy(f2, p_s)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)     # K K^T
-                    T.wgmma_gemm(p_s, t_s, f2, transpose_B=True, clear_accum=True)     # M T^T
-                    T.wait_wgmma(0)
-                    # H = diag(beta) dA (.) D; dbeta += rows of dA (.) K K^T (.) D; dgamma += beta (.) the same
-                    T.barrier_wait(h_free, ph ^ 1)
-                    for r, c in T.Parallel(C, C):
-                        h_s[r, c] = T.if_then_else((r > c) & (r < n_valid),
-                                                   -b_s[r] * f2[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
-                    for r, c in T.Parallel(C, C):
-                        f2[r, c] = T.if_then_else((r > c) & (r < n_valid),
-                                                  -f2[r, c] * f1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
-                    T.reduce_sum(f2, row_p, dim=1)
-                    for r in T.Parallel(C):
-                        dbt[r] += row_p[r]
-                        dgp[r] += b_s[r] * row_p[r]
-                    # ... minus its columns: rows of (diag(beta) dA (.) K K^T (.) D)^T, dA^T = -T M^T
-                    T.wgmma_gemm(t_s, p_s, f2, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    for r, c in T.Parallel(C, C):
-                        f2[r, c] = T.if_then_else((c > r) & (c < n_valid),
-                                                  -b_s[c] * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
-                    T.reduce_sum(f2, row_p, dim=1)
-                    for r in T.Parallel(C):
                         dgp_s[r] = dgp[r] - row_p[r]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(h_ready)
-                    for r in T.Parallel(C):
-                        if r < n_valid:
-                            dbeta[0, t0 + r, hv] = dbt[r]
+                    T.barrier_arrive(gp_ready)
                     T.barrier_arrive(freed)
             else:
                 # ---- g: dq, dk; dgamma's O, X and state terms; dg ----
@@ -410,26 +438,39 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         dgam[r] += row_g[r] - 2.0 * de_g[r]
                     T.wgmma_gemm(pd_s, q_s, acc_g, transpose_A=True)                  # + dPD^T Q
                     T.barrier_wait(h_ready, ph)
-                    T.wgmma_gemm(h_s, k_s, acc_g)                                       # + H K
-                    T.wgmma_gemm(h_s, k_s, acc_g, transpose_A=True)                     # + H^T K
+                    T.wgmma_gemm(h_s, k_s, acc_g)                                       # + (H + H^T) K
                     T.wait_wgmma(0)
                     T.barrier_arrive(pd_free)
-                    for r, j in T.Parallel(C, K):
-                        if r < n_valid:
-                            dk[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
+                    # a full chunk's dk leaves by one TMA store staged in Q's tile, whose readers are done: g's
+                    # products above, p's (before gp_ready), the owner's (before its gx_free arrival); per-thread
+                    # stores from the accumulator took ~3000 clocks of g's tail (session 16's trace). A tail chunk
+                    # stores its valid rows only (a box would overwrite the next sequence's).
+                    T.barrier_wait(gp_ready, ph)
+                    T.barrier_wait(gx_free, ph)
+                    if n_valid == C:
+                        T.copy(acc_g, q_s)
+                        T.fence_proxy_async()
+                        T.copy(q_s, dk[0, t0:t0 + C, hv, 0:K])
+                    else:
+                        for r, j in T.Parallel(C, K):
+                            if r < n_valid:
+                                dk[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,
-                            dgam[r] + dgp_s[r] + T.if_then_else(r == n_valid - 1, T.exp(g_last) * tot[0] + carry[0],
+                            dgam[r] + dgp_s[r] + dga_s[r] + T.if_then_else(r == n_valid - 1, T.exp(g_last) * tot[0] + carry[0],
                                                                 0.0),
                             0.0)
                     T.barrier_arrive(h_free)
                     T.barrier_arrive(freed)
-                    if tx == 384:   # dg: the reverse cumsum within the chunk
-                        run = 0.0
-                        for j in T.serial(C):
-                            if C - 1 - j < n_valid:
-                                run = run + dg_s[C - 1 - j]
-                                dg[0, t0 + C - 1 - j, hv] = run
+                    # dg: the reverse cumsum within the chunk, each row's suffix sum on its own thread (one
+                    # thread's 64 dependent steps with a store each paced g's tail)
+                    T.clear(sfx)
+                    for j in T.serial(C):
+                        for r in T.Parallel(C):
+                            sfx[r] += T.if_then_else(j >= r, dg_s[j], 0.0)
+                    for r in T.Parallel(C):
+                        if r < n_valid:
+                            dg[0, t0 + r, hv] = sfx[r]
 
     return gdn_backward_fused

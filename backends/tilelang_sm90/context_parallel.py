@@ -22,9 +22,11 @@ state (ALGORITHM.md section 4), found by one of these routes:
         before its own (from h0 / dht where the walk reaches the sequence's boundary: exact): a segment never
         costs more than its sequence without segments, and nothing is read back.
     wide (inference, before the others where it applies: wide_segment_chunks): the chained route with one
-        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs; the
-        64-column pass without segments is launched beside it, and the device picks which of the two runs
-        (pick): behind heads that barely decay the segments' walks would cost more than the plain pass.
+        128-column program per (segment, head) (state_output_wide.py) and segments cut to fill the SMs in one
+        wave, or, where one program per (sequence, head) fills them already but one long sequence keeps the
+        others waiting, in several (wide_waves_segment_chunks); the pass without segments is launched beside it,
+        and the device picks which of the two runs (pick): behind heads that barely decay the segments' walks
+        would cost more than the plain pass.
 
 then the state pass fused with the output, per segment, from those initial states; each sequence's final
 state is its last segment's. Without triton installed, the forward runs without context parallelism.
@@ -122,7 +124,46 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     return seg if sum(-(-c // seg) for c in chunks) * HV >= fill * sms else None
 
 
-def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout):
+# Beyond one wave (wide_waves_segment_chunks): a program's share of its walk and of its pipeline's fill and drain,
+# in wide steps, added to its own chunks
+WAVE_STEP_OVERHEAD = 2
+# In wide_waves_segment_chunks' domain the plain pass runs the wide pass's own 128-column kernel: one step for one
+# (the pick's ratio there, times the waves)
+WAVES_STEP_RATIO = 1.0
+# the segments in waves are cut only where their estimate is at most this fraction of the plain pass's: the
+# estimate leaves out the pick's and the walks' launches and the walks beyond WAVE_STEP_OVERHEAD
+WAVES_MARGIN = 0.8
+
+
+def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) -> tuple[int, int] | None:
+    """(chunks per segment, waves) for the forward's wide route where one program per (sequence, head) fills
+    `fill` of the SMs already (wide_segment_chunks declines: no cut fits one wave) but the longest sequence keeps
+    the plain pass, the same 128-column kernel, waiting: at 16/48 with 28672 + 4096 tokens 48 of its 96 programs
+    walk 448 chunks after the other 48 finished at 64 (1.57 ms, FlashQLA 1.10; H200, session 15). Every sequence
+    is cut at one length and the (segment, head) programs run in several waves of the SMs, one program an SM
+    (the kernel's 201 KB of shared memory): at 64 chunks 384 programs in three waves, ~198 wide steps against 448.
+    The cost model, in wide steps: waves * (seg + WAVE_STEP_OVERHEAD) for the segments, max(longest, total /
+    SMs) for the plain pass (a lower bound of its time, so the segments are taken only where the longest
+    sequence dominates it); segments of multiples of 16 chunks from MIN_SEGMENT_CHUNKS; None unless they cost at
+    most WAVES_MARGIN of the plain pass. The device's pick (pick, with the walks) still has the last word."""
+    pairs = len(layout.lengths) * HV
+    if SEGMENT_CHUNKS is not None or sms == 0 or pairs < fill * sms:
+        return None
+    chunks = [-(-n // CHUNK) for n in layout.lengths]
+    longest = max(chunks, default=0)
+    plain = max(longest, sum(chunks) * HV / sms)
+    if longest < plain:   # the total work, not the longest sequence, bounds the plain pass: segments cannot help
+        return None
+    best = None
+    for seg in range(MIN_SEGMENT_CHUNKS, longest, 16):
+        waves = -(-sum(-(-c // seg) for c in chunks) * HV // sms)
+        cost = waves * (seg + WAVE_STEP_OVERHEAD)
+        if cost <= WAVES_MARGIN * plain and (best is None or cost < best[0]):
+            best = (cost, seg, waves)
+    return None if best is None else best[1:]
+
+
+def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout, waves: int = 1):
     """The device's pick between the wide route's pass over segments and the 64-column pass over whole
     sequences, both launched behind it (forward.py), each over its own cu_seqlens: (the wide pass's cu_seqlens
     and walks, the plain pass's cu_seqlens, a 0-dim bool: wide). The wide route is picked while its longest
@@ -132,10 +173,13 @@ def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout):
     (16/64 1x32768: 1.90 against 1.55 ms, session 12's run H; short sequences the more: a segment may walk to
     the sequence's start). The pass not picked runs over empty sequences; nothing is read back, so a CUDA graph
     captures both launches. One Triton launch (warmup_bound.pick_wide): the pick as torch ops and where-masks
-    cost ~20-26 us of launches (session 13's run A)."""
+    cost ~20-26 us of launches (session 13's run A). waves: how many waves of the SMs the segments' programs take,
+    each as long as its longest; more than one only in wide_waves_segment_chunks' domain, where the plain pass
+    runs the same 128-column kernel (WAVES_STEP_RATIO), else the 64-column one (WIDE_STEP_RATIO)."""
     from .warmup_bound import pick_wide
     longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
-    return pick_wide(walk, plan.own, plan.segments.cu_seqlens, layout.cu_seqlens, longest, WIDE_STEP_RATIO)
+    ratio = waves * WAVES_STEP_RATIO if waves > 1 else WIDE_STEP_RATIO
+    return pick_wide(walk, plan.own, plan.segments.cu_seqlens, layout.cu_seqlens, longest, ratio)
 
 
 def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:

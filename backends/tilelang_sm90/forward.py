@@ -90,13 +90,27 @@ def wide_segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return None
 
 
-def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, bool]:
-    """(chunks per segment or None, whether they take the wide route): inference takes the wide route where it
-    applies (wide_segment_chunks), everything else _segment_chunks' segments."""
+def _wide_waves(layout, HV: int, device: torch.device) -> tuple[int, int] | None:
+    """(chunks per segment, waves) of the wide route in several waves (context_parallel.wide_waves_segment_chunks)
+    where it can run, as wide_segment_chunks'; the forward's inference only (the backward's reverse pass has not
+    been timed that way)."""
+    if wide_segment_chunks(layout, HV, device) is None and context_parallel.WIDE_ROUTE and BLOCK_V is None \
+            and context_parallel.available() and chained_route_available():
+        return context_parallel.wide_waves_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
+    return None
+
+
+def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, int]:
+    """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it):
+    inference takes the wide route where it applies (wide_segment_chunks in one wave, else _wide_waves),
+    everything else _segment_chunks' segments."""
     seg = None if train else wide_segment_chunks(layout, HV, device)
     if seg:
-        return seg, True
-    return _segment_chunks(layout, HV, device), False
+        return seg, 1
+    cut = None if train else _wide_waves(layout, HV, device)
+    if cut:
+        return cut
+    return _segment_chunks(layout, HV, device), 0
 
 
 def _takes_chained_route(layout, HV: int, device: torch.device, wide: bool) -> bool:
@@ -357,7 +371,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             a[:, layout.offsets[-1]:] = 0
             if KEEP_STATES:
                 hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
-        seg, wide = _segments(layout, HV, dev, train)
+        seg, waves = _segments(layout, HV, dev, train)
+        wide = waves > 0
         # inference's chained and wide routes take the walks' chunk sums from the intra kernel (emit_bound)
         row_bounds = torch.empty(layout.n_chunks, HV, device=dev, dtype=torch.float32) \
             if seg and not train and _takes_chained_route(layout, HV, dev, wide) else None
@@ -379,7 +394,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             if wide:
                 # the device picks the wide route or the 64-column pass without segments (context_parallel.pick):
                 # both are launched, the one not picked over empty sequences (its programs exit at once)
-                seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout)
+                seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout, waves)
                 walk = (wide_walk, walk[1])
             states = StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk)
             _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
@@ -392,7 +407,9 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             if choice is not None:
                 ht_plain = None if ht is None else torch.empty_like(ht)
                 plain = StateLaunch(plain_cu, layout.chunk_offsets, h0, N)
-                _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=_plan_block_v(N, HV, dev))
+                # in one wave (few pairs) the 64- or 32-column pass, in several the 128-column one
+                plain_block_v = _plan_state_block_v(N, HV, dev, wide=True) if waves > 1 else _plan_block_v(N, HV, dev)
+                _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=plain_block_v)
                 ht = None if ht is None else torch.where(choice, ht, ht_plain)
                 if intermediates is not None:
                     intermediates.update(wide_choice=choice)
