@@ -35,6 +35,7 @@ EVENTS = {
           ("all_freed", "T.barrier_wait(freed, ph)")],
     "p": [("landed", "landed(loaded,"), ("p_ready", "T.barrier_arrive(p_ready)"),
           ("u_in", "T.barrier_wait(u_ready, ph)"), ("pd_ready", "T.barrier_arrive(pd_ready)"),
+          ("du_in", "T.barrier_wait(du_ready, ph)"), ("m_in", "T.barrier_wait(m_ready, ph)"),
           ("gp_ready", "T.barrier_arrive(gp_ready)"), ("end", "T.barrier_arrive(freed)")],
     "g": [("landed", "landed(loaded,"), ("dq_first", "T.barrier_arrive(do_read)"),
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),

@@ -252,12 +252,28 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "mma_sync" not in src
-    assert src.count("wgmma_ss<") == 24   # owner 2, x 12 (dX twice), p 4, g 6
+    assert src.count("wgmma_ss<") == 25   # owner 2, x 10 (dX twice), p 7 (K K^T again), g 6
     assert src.count("tma_store(") == 2    # a full chunk's dv and dk
     for n in (bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS):   # raised above the launch's 128 a thread, or lowered
         assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
     assert ("(dinit + " in src) == dinit
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
+
+
+@pytest.mark.parametrize("T,H,HV,dtype", [(77, 2, 8, torch.bfloat16), (40, 4, 4, torch.float16), (0, 2, 4, torch.bfloat16),
+                                           (33, 1, 3, torch.float32)])
+def test_group_sum_adds_each_key_heads_value_heads(T, H, HV, dtype):
+    """The fused backward's GVA sums (group_sum.py; Triton, interpreted on a CPU): each key head's value heads added
+    in fp32 and written in the gradients' dtype, within one unit in its last place of the float64 sum (the
+    interpreter's casts truncate); no group (HV == H) is a cast; no tokens, no launch."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.tilelang_sm90.group_sum import group_sum
+    x = torch.randn(1, T, HV, 16, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    y = group_sum(x, H, dtype)
+    want = x.double().view(1, T, H, HV // H, 16).sum(3)
+    assert y.shape == (1, T, H, 16) and y.dtype == dtype
+    tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
+    assert torch.allclose(y.double(), want, rtol=tol, atol=tol)
 
 
 def test_fused_backward_trace_stamps_every_role():

@@ -33,6 +33,7 @@ from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, warmup
+from .group_sum import group_sum
 from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
                       no_walks, open_gate, propagator_kernel)
 
@@ -325,6 +326,5 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
     if plan is not None and dh0 is not None:
         dh0 = _first_segments(dh0, plan, layout, dht)
     qk, _ = _grads_dtype(problem, s)
-    group = lambda x: x.view(1, total, H, HV // H, K).sum(3, dtype=torch.float32).to(qk)  # noqa: E731
-    return group(dq_hv), group(dk_hv), dv, dg, dbeta, dh0
+    return group_sum(dq_hv, H, qk), group_sum(dk_hv, H, qk), dv, dg, dbeta, dh0
 

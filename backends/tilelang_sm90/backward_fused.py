@@ -18,17 +18,19 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              dS += K^T (-Gamma dX) when x hands it over
     x     (threads 128-255)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
                              dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
-                             and g; then, while the owner closes the chain, the solve's backward from dU (dT, M,
-                             H + H^T; dbeta, dgamma's A terms) and dv; and the TMA loads of the next chunk once
-                             every role is done
-    p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms
+                             and g; then, while the owner closes the chain, most of the solve's backward from dU
+                             (dT, M, then M T^T with K K^T: H's lower triangle, dbeta's and dgamma's A terms)
+                             and dv; and the TMA loads of the next chunk once every role is done
+    p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms; then the rest of
+                             the solve's: dbeta's X dU^T term, and T M^T once x has M (H^T's triangle, the column
+                             terms of dbeta's and dgamma's A terms)
     g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
                              accumulator's rows against Q or K, <S0, dS_end>, and dg
 
-The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 25 (dX twice: for the chain, then for dv's
-store), p 8, g 18. Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk
-(clock64 trace, 16/32 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from
-~15800); in x it paces the step the same way (~45400 clocks, JOURNAL). dq and dk leave per value head (bf16); the
+The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 22 (dX twice: for the chain, then for dv's
+store), p 13 (K K^T again), g 18. Session 15's form gave the solve's backward to p, after its P work: p then paced
+every chunk (clock64 trace, 16/32 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step,
+x idle from ~15800); all of it in x paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
 host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles: one `freed` barrier a
 chunk, the next chunk's loads behind every role's last read.
 
@@ -36,7 +38,8 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     loaded (x's loads)  freed (all 512)        ds_ready (owner)  ds_free (x, g)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
     gx_ready (x)        gx_free (owner, g; g waits it too: Q's last readers are done)  pd_ready (p)  pd_free (g)
-    gp_ready (p: dgamma's P terms)             h_ready (x: H + H^T, dgamma's A terms)      h_free (g)
+    du_ready (x)        du_free (p)            m_ready (x: M in P's tile)
+    gp_ready (p: dgamma's P terms)             h_ready (x, p: H + H^T, the A terms)        h_free (g)
 
 Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
 per-row factors are 0 there (Gamma, Gamma_C / Gamma, s Gamma, beta), and P, dPD, D and the dT rows are masked.
@@ -99,6 +102,20 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         return i % 2, t0, T.min(eos - t0, C)
 
     @T.macro
+    def store_rows(acc, stage, out, t0, hv, n_valid):
+        """A chunk's [C, 128] rows of acc into out[0, t0:, hv, :] through the free tile `stage`: a full chunk by one
+        TMA store, a tail chunk's valid rows by threads (a box would overwrite the next sequence's). The elected
+        thread waits for the store to have read the tile before it goes on."""
+        T.copy(acc, stage)
+        T.fence_proxy_async()
+        if n_valid == C:
+            T.copy(stage, out[0, t0:t0 + C, hv, 0:128])
+        else:
+            for r, j in T.Parallel(C, 128):
+                if r < n_valid:
+                    out[0, t0 + r, hv, j] = stage[r, j]
+
+    @T.macro
     def row_dot(acc, m_s, tmp, out):
         """out = the rows of acc (.) m_s (a [C, V] bf16 tile) through tmp, as acc is still needed. (A [C, V / 2]
         temporary taken twice takes acc's layout, half of it never written, and its reduction read that half.)"""
@@ -157,7 +174,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             sg_g = T.alloc_shared((C,), accum)        # g: s Gamma
             eu_g = T.alloc_shared((C,), accum)        # g: Gamma_C / Gamma
             dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P terms
-            dga_s = T.alloc_shared((C,), accum)       # x -> g: dgamma's A terms
+            dga_s = T.alloc_shared((C,), accum)       # x -> g: dgamma's A terms (rows)
+            dbx_s = T.alloc_shared((C,), accum)       # x -> g: dbeta's A term
+            dbp_s = T.alloc_shared((C,), accum)       # p -> g: dbeta's T term
             dg_s = T.alloc_shared((C,), accum)        # g: dgamma before its reverse cumsum
 
             dS = T.alloc_fragment((K, V), accum)      # owner
@@ -169,8 +188,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             xf1 = T.alloc_fragment((C, C), accum)     # x: the solve's backward
             xf2 = T.alloc_fragment((C, C), accum)
             row_x = T.alloc_fragment((C,), accum)
-            dbx = T.alloc_fragment((C,), accum)
-            dga = T.alloc_fragment((C,), accum)
             acc_g = T.alloc_fragment((C, K), accum)   # g: dq, then dk
             tmp_g = T.alloc_fragment((C, V), accum)
             row_g = T.alloc_fragment((C,), accum)
@@ -192,11 +209,14 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             p_ready = T.alloc_barrier(arrive_count=128)
             do_read = T.alloc_barrier(arrive_count=384)
             gp_ready = T.alloc_barrier(arrive_count=128)
+            du_ready = T.alloc_barrier(arrive_count=128)
+            du_free = T.alloc_barrier(arrive_count=128)
+            m_ready = T.alloc_barrier(arrive_count=128)
             gx_ready = T.alloc_barrier(arrive_count=128)
             gx_free = T.alloc_barrier(arrive_count=256)
             pd_ready = T.alloc_barrier(arrive_count=128)
             pd_free = T.alloc_barrier(arrive_count=128)
-            h_ready = T.alloc_barrier(arrive_count=128)
+            h_ready = T.alloc_barrier(arrive_count=256)
             h_free = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
@@ -231,7 +251,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
-                # ---- x: X, U, then the chain's dU and dX; the loads ----
+                # ---- x: X, U, then the chain's dU and dX; then its share of the solve's backward; the loads ----
                 T.set_max_nreg(X_REGS, int(X_REGS > 128))   # raise, or lower, from 128
                 if n_chunks > 0:
                     load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
@@ -266,8 +286,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(p_s, do_s, acc_x, transpose_A=True)               # + P^T dO: dU
                     T.wait_wgmma(0)
                     T.barrier_arrive(do_read)
-                    T.copy(acc_x, du_s)                        # x is dU's only reader
+                    T.copy(acc_x, du_s)
                     T.fence_proxy_async()
+                    T.barrier_arrive(du_ready)
                     T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
                     T.wait_wgmma(0)
                     T.barrier_wait(gx_free, ph ^ 1)
@@ -275,25 +296,22 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         gx_s[r, j] = -eg_x[r] * acc_x[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(gx_ready)
-                    # the solve's backward, from dU (off the chain, which the owner closes meanwhile): dTb = dU X^T
-                    # -> dT = dTb diag(beta) (into P's tile, read by dU already); dbeta = rows of X dU^T (.) T^T
+                    # the solve's backward from dU, off the chain (which the owner closes meanwhile), shared with p:
+                    # x makes dTb = dU X^T -> dT = dTb diag(beta) (into P's tile, read by dU already) -> M = T^T dT
+                    # (in place of dT) for both, then dA = -M T^T (strictly lower) with K K^T: H's lower triangle,
+                    # dbeta's and dgamma's A terms; p takes dbeta's X dU^T term and T M^T (H^T, the column terms)
                     T.clear(xf2)   # the solve's accumulators live only through it (see acc_x's below)
                     T.wgmma_gemm(du_s, vx_s, xf2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
                         p_s[r, c] = T.if_then_else(r < n_valid, xf2[r, c] * b_s[c], 0.0)
-                    T.clear(xf1)
-                    T.wgmma_gemm(vx_s, du_s, xf1, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    for r, c in T.Parallel(C, C):
-                        xf1[r, c] = T.if_then_else(c < n_valid, xf1[r, c] * T.cast(t_s[c, r], accum), 0.0)
-                    T.reduce_sum(xf1, dbx, dim=1)
                     T.fence_proxy_async()
-                    # M = T^T dT (in place of dT); dA = -M T^T strictly lower; K K^T
                     T.wgmma_gemm(t_s, p_s, xf2, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.copy(xf2, p_s)
                     T.fence_proxy_async()
+                    T.barrier_arrive(m_ready)
+                    T.clear(xf1)
                     T.wgmma_gemm(k_s, k_s, xf1, transpose_B=True, clear_accum=True)     # K K^T
                     T.wgmma_gemm(p_s, t_s, xf2, transpose_B=True, clear_accum=True)     # M T^T
                     T.wait_wgmma(0)
@@ -308,41 +326,17 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                                                    -xf2[r, c] * xf1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
                     T.reduce_sum(xf2, row_x, dim=1)
                     for r in T.Parallel(C):
-                        dbx[r] += row_x[r]
-                        dga[r] = b_s[r] * row_x[r]
-                    # ... minus its columns: rows of (diag(beta) dA (.) K K^T (.) D)^T, dA^T = -T M^T
-                    T.wgmma_gemm(t_s, p_s, xf2, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    # H^T (the upper triangle of H + H^T, g's one product with K) is this product's too:
-                    # H^T[r, c] = H[c, r] = -beta_c (M T^T)[c, r] D[c, r] = -beta_c (T M^T)[r, c] D[c, r]
-                    for r, c in T.Parallel(C, C):
-                        if c > r:
-                            h_s[r, c] = T.if_then_else(c < n_valid, -b_s[c] * xf2[r, c] * T.exp(g_s[c] - g_s[r]),
-                                                       0.0)
-                        xf2[r, c] = T.if_then_else((c > r) & (c < n_valid),
-                                                   -b_s[c] * xf2[r, c] * xf1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
-                    T.reduce_sum(xf2, row_x, dim=1)
-                    for r in T.Parallel(C):
-                        dga_s[r] = dga[r] - row_x[r]
+                        dbx_s[r] = row_x[r]
+                        dga_s[r] = b_s[r] * row_x[r]
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
-                    for r in T.Parallel(C):
-                        if r < n_valid:
-                            dbeta[0, t0 + r, hv] = dbx[r]
+                    T.barrier_wait(du_free, ph)                # p's X dU^T has read dU's tile
                     # dv = dX made again from dU's tile, once g has H (one 64 x 128 x 64 product where keeping dX
-                    # through the solve took 32 registers more than x has), staged there: a full chunk leaves by one TMA
-                    # store, a tail chunk's valid rows by threads (a box would overwrite the next sequence's)
+                    # through the solve took 32 registers more than x has), and stored through that tile
                     T.clear(acc_x)   # a new live range: ptxas reads a wgmma's accumulator even where it clears it
                     T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    T.copy(acc_x, du_s)
-                    T.fence_proxy_async()
-                    if n_valid == C:
-                        T.copy(du_s, dv[0, t0:t0 + C, hv, 0:V])
-                    else:
-                        for r, j in T.Parallel(C, V):
-                            if r < n_valid:
-                                dv[0, t0 + r, hv, j] = du_s[r, j]
+                    store_rows(acc_x, du_s, dv, t0, hv, n_valid)
                     T.barrier_arrive(freed)
                     T.barrier_wait(freed, ph)
                     if i + 1 < n_chunks:
@@ -385,7 +379,35 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                                                   scale * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
                     T.reduce_sum(f1, row_p, dim=1)
                     for r in T.Parallel(C):
+                        dgp[r] -= row_p[r]
+                    # its share of the solve's backward (x's comment): dbeta's term, the rows of X dU^T (.) T^T ...
+                    T.barrier_wait(du_ready, ph)
+                    T.wgmma_gemm(vx_s, du_s, f1, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(du_free)
+                    for r, c in T.Parallel(C, C):
+                        f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
+                    T.reduce_sum(f1, row_p, dim=1)
+                    for r in T.Parallel(C):
+                        dbp_s[r] = row_p[r]
+                    # ... and, once x has M, T M^T: H^T (the upper triangle of H + H^T, g's one product with K),
+                    # H^T[r, c] = H[c, r] = -beta_c (M T^T)[c, r] D[c, r] = -beta_c (T M^T)[r, c] D[c, r], and the
+                    # columns of diag(beta) dA (.) K K^T (.) D as its rows (dA^T = -T M^T), with K K^T again
+                    T.barrier_wait(m_ready, ph)
+                    T.wgmma_gemm(t_s, p_s, f2, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_wait(h_free, ph ^ 1)
+                    for r, c in T.Parallel(C, C):
+                        if c > r:
+                            h_s[r, c] = T.if_then_else(c < n_valid, -b_s[c] * f2[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                        f2[r, c] = T.if_then_else((c > r) & (c < n_valid),
+                                                  -b_s[c] * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                    T.reduce_sum(f2, row_p, dim=1)
+                    for r in T.Parallel(C):
                         dgp_s[r] = dgp[r] - row_p[r]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(h_ready)
                     T.barrier_arrive(gp_ready)
                     T.barrier_arrive(freed)
             else:
@@ -441,26 +463,21 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(h_s, k_s, acc_g)                                       # + (H + H^T) K
                     T.wait_wgmma(0)
                     T.barrier_arrive(pd_free)
-                    # a full chunk's dk leaves by one TMA store staged in Q's tile, whose readers are done: g's
-                    # products above, p's (before gp_ready), the owner's (before its gx_free arrival); per-thread
-                    # stores from the accumulator took ~3000 clocks of g's tail (session 16's trace). A tail chunk
-                    # stores its valid rows only (a box would overwrite the next sequence's).
+                    # dk leaves through Q's tile, whose readers are done: g's products above, p's (before
+                    # gp_ready), the owner's (before its gx_free arrival); per-thread stores from the accumulator
+                    # took ~3000 clocks of g's tail (session 16's trace)
                     T.barrier_wait(gp_ready, ph)
                     T.barrier_wait(gx_free, ph)
-                    if n_valid == C:
-                        T.copy(acc_g, q_s)
-                        T.fence_proxy_async()
-                        T.copy(q_s, dk[0, t0:t0 + C, hv, 0:K])
-                    else:
-                        for r, j in T.Parallel(C, K):
-                            if r < n_valid:
-                                dk[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
+                    store_rows(acc_g, q_s, dk, t0, hv, n_valid)
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,
                             dgam[r] + dgp_s[r] + dga_s[r] + T.if_then_else(r == n_valid - 1, T.exp(g_last) * tot[0] + carry[0],
                                                                 0.0),
                             0.0)
+                    for r in T.Parallel(C):
+                        if r < n_valid:
+                            dbeta[0, t0 + r, hv] = dbx_s[r] + dbp_s[r]
                     T.barrier_arrive(h_free)
                     T.barrier_arrive(freed)
                     # dg: the reverse cumsum within the chunk, each row's suffix sum on its own thread (one
