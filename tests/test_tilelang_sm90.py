@@ -276,6 +276,27 @@ def test_group_sum_adds_each_key_heads_value_heads(T, H, HV, dtype):
     assert torch.allclose(y.double(), want, rtol=tol, atol=tol)
 
 
+def test_fused_backward_sass_per_role():
+    """benchmarks/sass_roles.py cuts the fused backward's sm_90a SASS at its four setmaxnreg instructions and
+    matches each region to its role by budget (a lowering that reorders or merges the roles fails here); every
+    role issues tensor-core instructions, the owner almost no exponentials; --budgets rewrites the source's four
+    setmaxnreg calls in order."""
+    _tilelang()
+    from gdnkit.benchmarks import sass_roles
+    result = sass_roles.measure(2, 4)
+    assert [r["role"] for r in result["roles"]] == list(sass_roles.ROLES)
+    assert all(r["HGMMA"] > 0 and r["instructions"] > r["HGMMA"] for r in result["roles"])
+    owner, x, p, g = result["roles"]
+    assert owner["MUFU"] < 8 < p["MUFU"] and x["STSM"] > 0   # p's masked exp passes; x's stores by stmatrix
+    src = "a warpgroup_reg_alloc<160>(); b warpgroup_reg_dealloc<96>(); c warpgroup_reg_dealloc<120>(); " \
+          "d warpgroup_reg_dealloc<136>();"
+    assert sass_roles.with_budgets(src, [152, 120, 128, 112]) == (
+        "a warpgroup_reg_alloc<152>(); b warpgroup_reg_dealloc<120>(); c warpgroup_reg_dealloc<128>(); "
+        "d warpgroup_reg_dealloc<112>();")
+    with pytest.raises(ValueError):
+        sass_roles.with_budgets(src, [512])
+
+
 def test_fused_backward_trace_stamps_every_role():
     """benchmarks/trace_fused.py's stamped copy of the fused backward compiles for sm_90a with one clock64 read per
     event it names (each event's line found once in its role: a kernel edit that moves one fails here first), and
