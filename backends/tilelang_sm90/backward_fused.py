@@ -116,6 +116,13 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     out[0, t0 + r, hv, j] = stage[r, j]
 
     @T.macro
+    def masked(keep, value, g_s, hi, lo):
+        """value * exp(g_hi - g_lo) where keep, else 0, without a branch: the selects take cheap operands and the
+        exponential runs on 0 where not kept (a select around the exponential itself is lowered to a branch per
+        element: 192 divergent regions a chunk in p, benchmarks/sass_roles.py)."""
+        return T.if_then_else(keep, value, 0.0) * T.exp(T.if_then_else(keep, g_s[hi] - g_s[lo], 0.0))
+
+    @T.macro
     def row_dot(acc, m_s, tmp, out):
         """out = the rows of acc (.) m_s (a [C, V] bf16 tile) through tmp, as acc is still needed. (A [C, V / 2]
         temporary taken twice takes acc's layout, half of it never written, and its reduction read that half.)"""
@@ -319,11 +326,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(h_free, ph ^ 1)
                     for r, c in T.Parallel(C, C):   # H's triangle and the diagonal; H^T's below
                         if r >= c:
-                            h_s[r, c] = T.if_then_else((r > c) & (r < n_valid),
-                                                       -b_s[r] * xf2[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                            h_s[r, c] = masked((r > c) & (r < n_valid), -b_s[r] * xf2[r, c], g_s, r, c)
                     for r, c in T.Parallel(C, C):
-                        xf2[r, c] = T.if_then_else((r > c) & (r < n_valid),
-                                                   -xf2[r, c] * xf1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                        xf2[r, c] = masked((r > c) & (r < n_valid), -xf2[r, c] * xf1[r, c], g_s, r, c)
                     T.reduce_sum(xf2, row_x, dim=1)
                     for r in T.Parallel(C):
                         dbx_s[r] = row_x[r]
@@ -350,8 +355,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(q_s, k_s, f1, transpose_B=True, clear_accum=True)     # Q K^T
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
-                        f1[r, c] = T.if_then_else((r >= c) & (r < n_valid),
-                                                  scale * f1[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                        f1[r, c] = masked((r >= c) & (r < n_valid), scale * f1[r, c], g_s, r, c)
                     T.copy(f1, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready)
@@ -361,8 +365,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wait_wgmma(0)
                     T.barrier_wait(pd_free, ph ^ 1)
                     for r, c in T.Parallel(C, C):
-                        pd_s[r, c] = T.if_then_else((r >= c) & (r < n_valid),
-                                                    scale * f2[r, c] * T.exp(g_s[r] - g_s[c]), 0.0)
+                        pd_s[r, c] = masked((r >= c) & (r < n_valid), scale * f2[r, c], g_s, r, c)
                     T.fence_proxy_async()
                     T.barrier_arrive(pd_ready)
                     for r, c in T.Parallel(C, C):
@@ -375,8 +378,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_arrive(do_read)
                     T.barrier_arrive(u_free)
                     for r, c in T.Parallel(C, C):
-                        f1[r, c] = T.if_then_else((c >= r) & (c < n_valid),
-                                                  scale * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                        f1[r, c] = masked((c >= r) & (c < n_valid), scale * f2[r, c] * f1[r, c], g_s, c, r)
                     T.reduce_sum(f1, row_p, dim=1)
                     for r in T.Parallel(C):
                         dgp[r] -= row_p[r]
@@ -400,9 +402,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(h_free, ph ^ 1)
                     for r, c in T.Parallel(C, C):
                         if c > r:
-                            h_s[r, c] = T.if_then_else(c < n_valid, -b_s[c] * f2[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
-                        f2[r, c] = T.if_then_else((c > r) & (c < n_valid),
-                                                  -b_s[c] * f2[r, c] * f1[r, c] * T.exp(g_s[c] - g_s[r]), 0.0)
+                            h_s[r, c] = masked(c < n_valid, -b_s[c] * f2[r, c], g_s, c, r)
+                        f2[r, c] = masked((c > r) & (c < n_valid), -b_s[c] * f2[r, c] * f1[r, c], g_s, c, r)
                     T.reduce_sum(f2, row_p, dim=1)
                     for r in T.Parallel(C):
                         dgp_s[r] = dgp[r] - row_p[r]
