@@ -583,6 +583,50 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_forward_wide_route_in_waves_matches_float64_reference():
+    """The wide route in several waves (context_parallel.wide_waves_segment_chunks): 4/48 with one long and one
+    short sequence (96 pairs fill the SMs, the long one bounds the plain pass) in 64-chunk segments, two waves of
+    the H200's SMs; with initial states, a tail chunk, gates that settle (the device picks the segments); every
+    sequence's output and final state against float64, and the call twice bitwise."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit.backends.reference.backend import reference_forward
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    H, HV, lengths, dev = 4, 48, (16384, 1000), "cuda"
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+    seg, waves = fwd._segments(fwd.seqlayout.sequence_layout(cu), HV, torch.device(dev), train=False)
+    if waves < 2:
+        pytest.skip(f"this GPU's SM count gives {waves} wave(s) here (the H200's 132 give 2)")
+    T, N = int(cu[-1]), len(lengths)
+    gen = torch.Generator(device=dev).manual_seed(48)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    k = F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16)
+    v, g, beta = r(1, T, HV, V).to(torch.bfloat16), F.logsigmoid(r(1, T, HV)), torch.sigmoid(r(1, T, HV))
+    h0 = r(N, HV, K, V) * 0.1
+    with torch.no_grad():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu)
+        got = {}
+        o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
+        o2, ht2, _ = fwd.forward(problem, inputs)
+        d = lambda t: t.double()  # noqa: E731
+        p64, i64 = validate_inputs(CHUNK_MODE, d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                                   output_final_state=True, cu_seqlens=cu)
+        ref_o, ref_ht = reference_forward(p64, i64, chunked_gdn)
+    assert got["wide_segments"] and bool(got["wide_choice"])
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        assert _rel(o[:, s:e], ref_o[:, s:e]) <= BF16_FWD_BAR, f"o of sequence {n}: {_rel(o[:, s:e], ref_o[:, s:e]):.2e}"
+        assert _rel(ht[n], ref_ht[n]) <= BF16_FWD_BAR, f"final state {n}: {_rel(ht[n], ref_ht[n]):.2e}"
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+@pytest.mark.gpu
 def test_intra_chunk_stage_matches_reference_trace(monkeypatch):
     """The intra-chunk kernel alone (gamma, Tb = T diag(beta)) against the reference's ChunkTrace, one dense
     sequence of 135 tokens (a chunk tail of 7): tells an intra-chunk bug from a state-pass bug. The
