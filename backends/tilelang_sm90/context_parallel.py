@@ -144,8 +144,8 @@ def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: f
     (the kernel's 201 KB of shared memory): at 64 chunks 384 programs in three waves, ~198 wide steps against 448.
     The cost model, in wide steps: waves * (seg + WAVE_STEP_OVERHEAD) for the segments, max(longest, total /
     SMs) for the plain pass (a lower bound of its time, so the segments are taken only where the longest
-    sequence dominates it); segments of multiples of 16 chunks from MIN_SEGMENT_CHUNKS; None unless they cost at
-    most WAVES_MARGIN of the plain pass. The device's pick (pick, with the walks) still has the last word."""
+    sequence dominates it); segment lengths from _wave_segment_lengths; None unless they cost at most WAVES_MARGIN
+    of the plain pass. The device's pick (pick, with the walks) still has the last word."""
     pairs = len(layout.lengths) * HV
     if SEGMENT_CHUNKS is not None or sms == 0 or pairs < fill * sms:
         return None
@@ -155,12 +155,24 @@ def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: f
     if longest < plain:   # the total work, not the longest sequence, bounds the plain pass: segments cannot help
         return None
     best = None
-    for seg in range(MIN_SEGMENT_CHUNKS, longest, 16):
+    for seg in _wave_segment_lengths(longest):
         waves = -(-sum(-(-c // seg) for c in chunks) * HV // sms)
         cost = waves * (seg + WAVE_STEP_OVERHEAD)
         if cost <= WAVES_MARGIN * plain and (best is None or cost < best[0]):
             best = (cost, seg, waves)
     return None if best is None else best[1:]
+
+
+def _wave_segment_lengths(longest: int):
+    """The waves rule's candidate segment lengths below `longest`: 32 to 128 chunks by 16, then four a doubling
+    (160, 192, 224, 256, 320, ...), so that the search costs the host a few dozen passes over the sequences
+    whatever their length (every chunk count from 32 up was ~1000 passes at 1M tokens)."""
+    seg, step = MIN_SEGMENT_CHUNKS, 16
+    while seg < longest:
+        yield seg
+        if seg >= 8 * step:
+            step *= 2
+        seg += step
 
 
 def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout, waves: int = 1):
