@@ -81,35 +81,34 @@ def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
 
 
+def _wide_route_available() -> bool:
+    """Whether the wide route can run: on, not forced off by BLOCK_V, with the chained route (its walks)
+    available."""
+    return context_parallel.WIDE_ROUTE and BLOCK_V is None and context_parallel.available() \
+        and chained_route_available()
+
+
 def wide_segment_chunks(layout, HV: int, device: torch.device) -> int | None:
-    """Chunks per segment of the wide route (context_parallel.wide_segment_chunks) where it can run: on, not
-    forced off by BLOCK_V, with the chained route (its walks) available. The forward's inference and the
-    backward's reverse pass take it."""
-    if context_parallel.WIDE_ROUTE and BLOCK_V is None and context_parallel.available() and chained_route_available():
+    """Chunks per segment of the wide route in one wave (context_parallel.wide_segment_chunks) where it can run.
+    The forward's inference and the backward's reverse pass take it."""
+    if _wide_route_available():
         return context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
-    return None
-
-
-def _wide_waves(layout, HV: int, device: torch.device) -> tuple[int, int] | None:
-    """(chunks per segment, waves) of the wide route in several waves (context_parallel.wide_waves_segment_chunks)
-    where it can run, as wide_segment_chunks'; the forward's inference only (the backward's reverse pass has not
-    been timed that way)."""
-    if wide_segment_chunks(layout, HV, device) is None and context_parallel.WIDE_ROUTE and BLOCK_V is None \
-            and context_parallel.available() and chained_route_available():
-        return context_parallel.wide_waves_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
     return None
 
 
 def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, int]:
     """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it):
-    inference takes the wide route where it applies (wide_segment_chunks in one wave, else _wide_waves),
-    everything else _segment_chunks' segments."""
-    seg = None if train else wide_segment_chunks(layout, HV, device)
-    if seg:
-        return seg, 1
-    cut = None if train else _wide_waves(layout, HV, device)
-    if cut:
-        return cut
+    inference takes the wide route where it applies, in one wave (wide_segment_chunks), else in several
+    (context_parallel.wide_waves_segment_chunks: the forward's inference only, the backward's reverse pass has not
+    been timed that way); everything else _segment_chunks' segments."""
+    if not train and _wide_route_available():
+        sms = _sm_count_of(device)
+        seg = context_parallel.wide_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
+        if seg:
+            return seg, 1
+        cut = context_parallel.wide_waves_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
+        if cut:
+            return cut
     return _segment_chunks(layout, HV, device), 0
 
 
