@@ -41,14 +41,13 @@ def with_budgets(source: str, budgets: list[int]) -> str:
 
 
 def cubin(source: str, workdir: Path) -> tuple[Path, str]:
-    """(the cubin, ptxas' -v report) of a TileLang kernel source for sm_90a."""
-    import tilelang
-    root = Path(tilelang.__file__).parent
-    templates = next(root.rglob("tl_templates"))
+    """(the cubin, ptxas' -v report) of a TileLang kernel source for sm_90a, with TileLang's own nvcc flags
+    (its templates, CUTLASS, the C++ standard they need)."""
+    from tilelang.contrib.nvcc import default_compile_options, find_cuda_path
+    nvcc = shutil.which("nvcc") or str(Path(find_cuda_path()) / "bin" / "nvcc")
     cu, out = workdir / "kernel.cu", workdir / "kernel.cubin"
     cu.write_text(source)
-    done = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-std=c++17", "-Xptxas", "-v",
-                           f"-I{templates.parent}", f"-I{root / '3rdparty' / 'cutlass' / 'include'}",
+    done = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-Xptxas", "-v", *default_compile_options(),
                            "-o", str(out), str(cu)], capture_output=True, text=True, check=True)
     return out, done.stderr
 
