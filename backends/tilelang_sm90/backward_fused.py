@@ -31,14 +31,15 @@ The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 22 (dX twice: for 
 store), p 13 (K K^T again), g 18. Session 15's form gave the solve's backward to p, after its P work: p then paced
 every chunk (clock64 trace, 16/32 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step,
 x idle from ~15800); all of it in x paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
-host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles: one `freed` barrier a
-chunk, the next chunk's loads behind every role's last read.
+host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles, each reloaded for the
+next chunk once its last reader is done (dO, S0, V, Tb during the chunk; Q, K, T and the gates behind `freed`).
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
     loaded (x's loads)  freed (all 512)        ds_ready (owner)  ds_free (x, g)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
     gx_ready (x)        gx_free (owner, g; g waits it too: Q's last readers are done)  pd_ready (p)  pd_free (g)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile)
+    do_free (owner: its product has read dO)   s0_free (g: its last product has read S0)
     gp_ready (p: dgamma's P terms)             h_ready (x, p: H + H^T, the A terms)        h_free (g)
 
 Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
@@ -77,18 +78,31 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     num_dinit = T.dynamic("num_dinit")
     num_dh0 = T.dynamic("num_dh0")
 
+    # The loads of chunk i + 1 leave as their tiles' last readers of chunk i are done (x issues them all, each
+    # adding its bytes to `loaded`, whose phase for chunk i + 1 is open once every role has waited for chunk i's):
+    # dO once the owner's product has read it (do_free), S0 and V once g's and p's last products have
+    # (s0_free, du_free), Tb after x's own last product, and Q, K, T and the gates behind `freed`, where x's 128
+    # threads arrive. Single-slot tiles, so only the late ones wait for the chunk's end.
     @T.macro
-    def load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
-             bos, c0, n_chunks, hk, hv, i):
-        """TMA of chunk i counted from the run's end (x's 128 threads arrive)."""
+    def load_do(do, do_s, loaded, bos, n_chunks, hv, i):
+        T.tma_copy(do[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:V], do_s, barrier=loaded)
+
+    @T.macro
+    def load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i):
+        ci = n_chunks - 1 - i
+        T.tma_copy(hs[c0 + ci, hv, 0:K, 0:V], s0_s, barrier=loaded)
+        T.tma_copy(v[0, bos + ci * C:bos + ci * C + C, hv, 0:V], vx_s, barrier=loaded)
+
+    @T.macro
+    def load_tb(a, tb_s, loaded, bos, n_chunks, hv, i):
+        T.tma_copy(a[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:C], tb_s, barrier=loaded)
+
+    @T.macro
+    def load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i):
         ci = n_chunks - 1 - i
         t0 = bos + ci * C
         T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded)
         T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
-        T.tma_copy(hs[c0 + ci, hv, 0:K, 0:V], s0_s, barrier=loaded)
-        T.tma_copy(v[0, t0:t0 + C, hv, 0:V], vx_s, barrier=loaded)
-        T.tma_copy(a[0, t0:t0 + C, hv, 0:C], tb_s, barrier=loaded)
-        T.tma_copy(do[0, t0:t0 + C, hv, 0:V], do_s, barrier=loaded)
         T.tma_copy(tm[0, t0:t0 + C, hv, 0:C], t_s, barrier=loaded)
         T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s, barrier=loaded)
         T.barrier_arrive(loaded)
@@ -219,6 +233,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             du_ready = T.alloc_barrier(arrive_count=128)
             du_free = T.alloc_barrier(arrive_count=128)
             m_ready = T.alloc_barrier(arrive_count=128)
+            do_free = T.alloc_barrier(arrive_count=128)
+            s0_free = T.alloc_barrier(arrive_count=128)
             gx_ready = T.alloc_barrier(arrive_count=128)
             gx_free = T.alloc_barrier(arrive_count=256)
             pd_ready = T.alloc_barrier(arrive_count=128)
@@ -250,6 +266,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         do_s[r, j] = do_s[r, j] * sg_o[r]
                     T.fence_proxy_async()
                     T.wgmma_gemm(q_s, do_s, dS, transpose_A=True)              # + Q^T s Gamma dO
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(do_free)                   # dO's tile is the next chunk's
                     T.barrier_wait(gx_ready, ph)
                     T.wgmma_gemm(k_s, gx_s, dS, transpose_A=True)              # - K^T Gamma dX
                     T.wait_wgmma(0)
@@ -261,8 +279,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                 # ---- x: X, U, then the chain's dU and dX; then its share of the solve's backward; the loads ----
                 T.set_max_nreg(X_REGS, int(X_REGS > 128))   # raise, or lower, from 128
                 if n_chunks > 0:
-                    load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
-                         bos, c0, n_chunks, hk, hv, 0)
+                    load_do(do, do_s, loaded, bos, n_chunks, hv, 0)
+                    load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, 0)
+                    load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
+                    load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, 0)
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
                     g_last = g_s[n_valid - 1]
@@ -318,6 +338,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.copy(xf2, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(m_ready)
+                    T.barrier_wait(do_free, ph)
+                    if i + 1 < n_chunks:
+                        load_do(do, do_s, loaded, bos, n_chunks, hv, i + 1)
                     T.clear(xf1)
                     T.wgmma_gemm(k_s, k_s, xf1, transpose_B=True, clear_accum=True)     # K K^T
                     T.wgmma_gemm(p_s, t_s, xf2, transpose_B=True, clear_accum=True)     # M T^T
@@ -335,18 +358,22 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         dga_s[r] = b_s[r] * row_x[r]
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
-                    T.barrier_wait(du_free, ph)                # p's X dU^T has read dU's tile
+                    T.barrier_wait(du_free, ph)                # p's X dU^T has read dU's tile and X's
+                    T.barrier_wait(s0_free, ph)
+                    if i + 1 < n_chunks:
+                        load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i + 1)
                     # dv = dX made again from dU's tile, once g has H (one 64 x 128 x 64 product where keeping dX
                     # through the solve took 32 registers more than x has), and stored through that tile
                     T.clear(acc_x)   # a new live range: ptxas reads a wgmma's accumulator even where it clears it
                     T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    if i + 1 < n_chunks:
+                        load_tb(a, tb_s, loaded, bos, n_chunks, hv, i + 1)
                     store_rows(acc_x, du_s, dv, t0, hv, n_valid)
                     T.barrier_arrive(freed)
                     T.barrier_wait(freed, ph)
                     if i + 1 < n_chunks:
-                        load(q, k, v, do, a, tm, hs, gamma, q_s, k_s, vx_s, do_s, tb_s, t_s, s0_s, g_s, loaded,
-                             bos, c0, n_chunks, hk, hv, i + 1)
+                        load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i + 1)
             elif tx < 384:
                 # ---- p: P, dPD; dgamma's P terms ----
                 T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
@@ -456,6 +483,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(gx_s, s0_s, acc_g, transpose_B=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(gx_free)
+                    T.barrier_arrive(s0_free)                  # its last read of S0: the next chunk's
                     row_dot(acc_g, k_s, tmp_g, row_g)
                     for r in T.Parallel(C):
                         dgam[r] += row_g[r] - 2.0 * de_g[r]
