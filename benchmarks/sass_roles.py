@@ -40,15 +40,16 @@ def with_budgets(source: str, budgets: list[int]) -> str:
     return source
 
 
-def cubin(source: str, workdir: Path) -> tuple[Path, str]:
+def cubin(source: str, workdir: Path, fast_math: bool) -> tuple[Path, str]:
     """(the cubin, ptxas' -v report) of a TileLang kernel source for sm_90a, with TileLang's own nvcc flags
-    (its templates, CUTLASS, the C++ standard they need)."""
+    (its templates, CUTLASS, the C++ standard they need) and, as TileLang adds it for a kernel compiled with
+    TL_ENABLE_FAST_MATH, --use_fast_math (without it each exp is a longer, exact sequence)."""
     from tilelang.contrib.nvcc import default_compile_options, find_cuda_path
     nvcc = shutil.which("nvcc") or str(Path(find_cuda_path()) / "bin" / "nvcc")
     cu, out = workdir / "kernel.cu", workdir / "kernel.cubin"
     cu.write_text(source)
     done = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-Xptxas", "-v", *default_compile_options(),
-                           "-o", str(out), str(cu)], capture_output=True, text=True, check=True)
+                           *(["--use_fast_math"] if fast_math else []), "-o", str(out), str(cu)], capture_output=True, text=True, check=True)
     return out, done.stderr
 
 
@@ -95,7 +96,8 @@ def measure(H: int, HV: int, budgets: list[int] | None = None, dtype: str = "bfl
     source = tilelang.compile(program, target=TARGET, pass_configs=bf.PASS_CONFIGS).get_kernel_source()
     budgets = budgets or [bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS]
     with tempfile.TemporaryDirectory() as tmp:
-        binary, report = cubin(with_budgets(source, budgets), Path(tmp))
+        binary, report = cubin(with_budgets(source, budgets), Path(tmp),
+                               bf.PASS_CONFIGS.get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH, False))
         sass = subprocess.run([cuobjdump(), "-sass", str(binary)], capture_output=True, text=True,
                               check=True).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)

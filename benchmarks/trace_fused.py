@@ -27,20 +27,21 @@ ROLES = ("owner", "x", "p", "g")
 EVENTS = {
     "owner": [("landed", "landed(loaded,"), ("ds_handed", "T.barrier_arrive(ds_ready)"),
               ("do_read", "T.barrier_wait(do_read, ph)"), ("gx_in", "T.barrier_wait(gx_ready, ph)"),
-              ("end", "T.barrier_arrive(freed)")],
+              ("tb_in", "T.barrier_wait(tb_free, ph)"), ("end", "hk, hv, i + 1)")],
     "x": [("landed", "landed(loaded,"), ("u_ready", "T.barrier_arrive(u_ready)"),
           ("ds_in", "T.barrier_wait(ds_ready, ph)"), ("p_in", "T.barrier_wait(p_ready, ph)"),
-          ("gx_ready", "T.barrier_arrive(gx_ready)"), ("m_ready", "T.copy(xf2, p_s)"),
-          ("h_ready", "T.barrier_arrive(h_ready)"), ("end", "T.barrier_arrive(freed)"),
-          ("all_freed", "T.barrier_wait(freed, ph)")],
+          ("gx_ready", "T.barrier_arrive(gx_ready)"), ("m_ready", "T.barrier_arrive(m_ready)"),
+          ("h_ready", "T.barrier_arrive(h_ready)"), ("tb_free", "T.barrier_arrive(tb_free)"),
+          ("end", "store_rows(acc_x, du_s, dv")],
     "p": [("landed", "landed(loaded,"), ("p_ready", "T.barrier_arrive(p_ready)"),
           ("u_in", "T.barrier_wait(u_ready, ph)"), ("pd_ready", "T.barrier_arrive(pd_ready)"),
           ("du_in", "T.barrier_wait(du_ready, ph)"), ("m_in", "T.barrier_wait(m_ready, ph)"),
-          ("gp_ready", "T.barrier_arrive(gp_ready)"), ("end", "T.barrier_arrive(freed)")],
+          ("gp_ready", "T.barrier_arrive(gp_ready)")],
     "g": [("landed", "landed(loaded,"), ("dq_first", "T.barrier_arrive(do_read)"),
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),
           ("gx_in", "T.barrier_wait(gx_ready, ph)"), ("h_in", "T.barrier_wait(h_ready, ph)"),
-          ("gp_in", "T.barrier_wait(gp_ready, ph)"), ("end", "T.barrier_arrive(freed)")],
+          ("pd_free", "T.barrier_arrive(pd_free)"), ("gp_in", "T.barrier_wait(gp_ready, ph)"),
+          ("end", "T.barrier_arrive(h_free)")],
 }
 N_EVENTS = max(len(v) for v in EVENTS.values())
 # the role branches as backward_fused.py opens them (at this indentation)
@@ -71,12 +72,14 @@ def stamped_source(source: str, chunks: int) -> str:
     return "\n".join(lines)
 
 
-def stamped_module(chunks: int):
+def stamped_module(chunks: int, source: Path | None = None):
     """The stamped copy imported as a module of the package (its relative imports resolve; TileLang reads the
-    prim_func's source from the file)."""
+    prim_func's source from the file). source: another form of backward_fused.py to stamp instead (two forms
+    traced in one device run)."""
     from gdnkit.backends.tilelang_sm90 import backward_fused
     path = Path(tempfile.mkdtemp(prefix="gdnkit_trace_")) / "backward_fused_stamped.py"
-    path.write_text(stamped_source(inspect.getsource(backward_fused), chunks))
+    text = source.read_text() if source else inspect.getsource(backward_fused)
+    path.write_text(stamped_source(text, chunks))
     name = f"{backward_fused.__package__}.backward_fused_stamped"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -85,11 +88,12 @@ def stamped_module(chunks: int):
     return module
 
 
-def compile_stamped(H: int, HV: int, dtype: str, has_dinit: bool, store_dh0: bool, chunks: int):
+def compile_stamped(H: int, HV: int, dtype: str, has_dinit: bool, store_dh0: bool, chunks: int,
+                    source: Path | None = None):
     import tilelang
 
     from gdnkit.backends.tilelang_sm90.forward import TARGET
-    module = stamped_module(chunks)
+    module = stamped_module(chunks, source)
     program = module.backward_fused_program(H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
     return tilelang.compile(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
 
@@ -123,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default="32768", help="comma list of sequence lengths")
     ap.add_argument("--chunks", type=int, default=16, help="chunks stamped per program")
     ap.add_argument("--out", default=None, help="folder for trace.json (the summary and the raw stamps)")
+    ap.add_argument("--source", type=Path, default=None,
+                    help="another form of backward_fused.py to stamp and trace instead of the installed one")
     args = ap.parse_args(argv)
     H, HV = map(int, args.heads.split("x"))
     seqlens = tuple(int(x) for x in args.seqlens.split(","))
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
 
     @functools.lru_cache(maxsize=None)
     def stamped_kernel(H_, HV_, dt, has_dinit, store_dh0):
-        kernel = compile_stamped(H_, HV_, dt, has_dinit, store_dh0, args.chunks)
+        kernel = compile_stamped(H_, HV_, dt, has_dinit, store_dh0, args.chunks, args.source)
 
         def run(*call_args):
             cu_run = call_args[9]

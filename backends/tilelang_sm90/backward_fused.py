@@ -15,12 +15,13 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
 
     owner (threads   0-127)  dS: hands bf16 dS_end over, dS <- Gamma_C dS, scales dO's tile in place to
                              s diag(Gamma) dO once every other role has read it, dS += Q^T (that), then
-                             dS += K^T (-Gamma dX) when x hands it over
+                             dS += K^T (-Gamma dX) when x hands it over; then the TMA loads of the next chunk,
+                             each tile once its last readers are done
     x     (threads 128-255)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
                              dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
                              and g; then, while the owner closes the chain, most of the solve's backward from dU
                              (dT, M, then M T^T with K K^T: H's lower triangle, dbeta's and dgamma's A terms)
-                             and dv; and the TMA loads of the next chunk once every role is done
+                             and dv
     p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms; then the rest of
                              the solve's: dbeta's X dU^T term, and T M^T once x has M (H^T's triangle, the column
                              terms of dbeta's and dgamma's A terms)
@@ -28,19 +29,24 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              accumulator's rows against Q or K, <S0, dS_end>, and dg
 
 The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 22 (dX twice: for the chain, then for dv's
-store), p 13 (K K^T again), g 18. Session 15's form gave the solve's backward to p, after its P work: p then paced
+store), p 13 (K K^T again), g 20 (H K and H^T K apart: each of x and p writes its triangle as a whole tile). Session 15's form gave the solve's backward to p, after its P work: p then paced
 every chunk (clock64 trace, 16/32 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step,
 x idle from ~15800); all of it in x paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
 host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles, each reloaded for the
-next chunk once its last reader is done (dO, S0, V, Tb during the chunk; Q, K, T and the gates behind `freed`).
+next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
+chunk's loads).
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
-    loaded (x's loads)  freed (all 512)        ds_ready (owner)  ds_free (x, g)
+    loaded (the owner's loads)                 ds_ready (owner)  ds_free (x, g)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
-    gx_ready (x)        gx_free (owner, g; g waits it too: Q's last readers are done)  pd_ready (p)  pd_free (g)
+    gx_ready (x)        gx_read (owner)        gx_free (g: dk's store through the tile is done)
+    pd_ready (p)        pd_free (g: its products with Q and K are done too)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile)
-    do_free (owner: its product has read dO)   s0_free (g: its last product has read S0)
-    gp_ready (p: dgamma's P terms)             h_ready (x, p: H + H^T, the A terms)        h_free (g)
+    s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
+    m_read (x: its M T^T has read P's tile)
+    gp_ready (p: dgamma's P terms)             h_ready (x, p: H and H^T, the A terms, and x's and p's last reads
+                                               of Q, K, T and the gates)
+    h_free (g: its tail has read H and the per-row terms of x and p)
 
 Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
 per-row factors are 0 there (Gamma, Gamma_C / Gamma, s Gamma, beta), and P, dPD, D and the dT rows are masked.
@@ -78,11 +84,13 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     num_dinit = T.dynamic("num_dinit")
     num_dh0 = T.dynamic("num_dh0")
 
-    # The loads of chunk i + 1 leave as their tiles' last readers of chunk i are done (x issues them all, each
-    # adding its bytes to `loaded`, whose phase for chunk i + 1 is open once every role has waited for chunk i's):
-    # dO once the owner's product has read it (do_free), S0 and V once g's and p's last products have
-    # (s0_free, du_free), Tb after x's own last product, and Q, K, T and the gates behind `freed`, where x's 128
-    # threads arrive. Single-slot tiles, so only the late ones wait for the chunk's end.
+    # The loads of chunk i + 1 leave as their tiles' last readers of chunk i are done, each adding its bytes to
+    # `loaded` (whose phase for chunk i + 1 is open once every role has waited for chunk i's). The owner, idle
+    # after its second product, issues them all: dO (its own product is dO's last reader), S0 and V (m_ready,
+    # du_free, s0_free), Tb (tb_free), then Q, K, T and the gates (h_ready, pd_free), whose macro's arrival of
+    # its 128 threads closes the phase. Session 17's first form had x issue them and wait for those barriers
+    # between its own products (run A: x ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a
+    # barrier of all 512 threads at the chunk's end (~3300 clocks from it to the next chunk).
     @T.macro
     def load_do(do, do_s, loaded, bos, n_chunks, hv, i):
         T.tma_copy(do[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:V], do_s, barrier=loaded)
@@ -184,9 +192,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             u_s = T.alloc_shared((C, V), dtype)       # U: x -> p, g
             du_s = T.alloc_shared((C, V), dtype)      # dU (x's), then dV's staging for its TMA store
             gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g
-            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), then x's own dT and M (it has read P by dU)
+            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), x's own dT and M (it has read P by dU), H^T (p -> g)
             pd_s = T.alloc_shared((C, C), dtype)      # dPD: p -> g
-            h_s = T.alloc_shared((C, C), dtype)       # H + H^T: p -> g
+            h_s = T.alloc_shared((C, C), dtype)       # H (strictly lower): x -> g
             # per-row factors, one set per role (a (C,) fragment under a (C, V) loop runs on a 64-thread replica)
             sg_o = T.alloc_shared((C,), accum)        # owner: s Gamma
             eg_x = T.alloc_shared((C,), accum)        # x: Gamma
@@ -222,7 +230,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=128)
-            freed = T.alloc_barrier(arrive_count=512)
             ds_ready = T.alloc_barrier(arrive_count=128)
             ds_free = T.alloc_barrier(arrive_count=256)
             u_ready = T.alloc_barrier(arrive_count=128)
@@ -233,10 +240,12 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             du_ready = T.alloc_barrier(arrive_count=128)
             du_free = T.alloc_barrier(arrive_count=128)
             m_ready = T.alloc_barrier(arrive_count=128)
-            do_free = T.alloc_barrier(arrive_count=128)
+            m_read = T.alloc_barrier(arrive_count=128)
+            tb_free = T.alloc_barrier(arrive_count=128)
             s0_free = T.alloc_barrier(arrive_count=128)
             gx_ready = T.alloc_barrier(arrive_count=128)
-            gx_free = T.alloc_barrier(arrive_count=256)
+            gx_read = T.alloc_barrier(arrive_count=128)
+            gx_free = T.alloc_barrier(arrive_count=128)
             pd_ready = T.alloc_barrier(arrive_count=128)
             pd_free = T.alloc_barrier(arrive_count=128)
             h_ready = T.alloc_barrier(arrive_count=256)
@@ -250,6 +259,11 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.copy(dinit[n, hv, 0:K, 0:V], dS)
                 else:
                     T.clear(dS)
+                if n_chunks > 0:
+                    load_do(do, do_s, loaded, bos, n_chunks, hv, 0)
+                    load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, 0)
+                    load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
+                    load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, 0)
                 for i in T.serial(n_chunks):
                     ph, _, n_valid = landed(loaded, bos, eos, n_chunks, i)
                     T.barrier_wait(ds_free, ph ^ 1)            # x and g have read the previous dS_end
@@ -267,22 +281,30 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.fence_proxy_async()
                     T.wgmma_gemm(q_s, do_s, dS, transpose_A=True)              # + Q^T s Gamma dO
                     T.wait_wgmma(0)
-                    T.barrier_arrive(do_free)                   # dO's tile is the next chunk's
+                    if i + 1 < n_chunks:                        # dO's last reader was that product
+                        load_do(do, do_s, loaded, bos, n_chunks, hv, i + 1)
                     T.barrier_wait(gx_ready, ph)
                     T.wgmma_gemm(k_s, gx_s, dS, transpose_A=True)              # - K^T Gamma dX
                     T.wait_wgmma(0)
-                    T.barrier_arrive(gx_free)
-                    T.barrier_arrive(freed)
+                    T.barrier_arrive(gx_read)
+                    # idle until the next chunk: it reloads S0 and V once x (before m_ready), p (du_free) and g
+                    # (s0_free) have read them, Tb after x's last product (tb_free), and Q, K, T and the gates once
+                    # x's and p's passes (h_ready) and g's last products (pd_free) are done
+                    if i + 1 < n_chunks:
+                        T.barrier_wait(m_ready, ph)
+                        T.barrier_wait(du_free, ph)
+                        T.barrier_wait(s0_free, ph)
+                        load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i + 1)
+                        T.barrier_wait(tb_free, ph)
+                        load_tb(a, tb_s, loaded, bos, n_chunks, hv, i + 1)
+                        T.barrier_wait(h_ready, ph)
+                        T.barrier_wait(pd_free, ph)
+                        load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i + 1)
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
                 # ---- x: X, U, then the chain's dU and dX; then its share of the solve's backward; the loads ----
                 T.set_max_nreg(X_REGS, int(X_REGS > 128))   # raise, or lower, from 128
-                if n_chunks > 0:
-                    load_do(do, do_s, loaded, bos, n_chunks, hv, 0)
-                    load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, 0)
-                    load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
-                    load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, 0)
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
                     g_last = g_s[n_valid - 1]
@@ -293,14 +315,19 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.clear(acc_x)   # a new live range (see the dv store's)
                     T.wgmma_gemm(k_s, s0_s, acc_x, clear_accum=True)               # K S0
                     T.wait_wgmma(0)
+                    # each pass below leaves its tile by a whole-fragment copy (stmatrix): TileLang puts a
+                    # 128-thread barrier in every step of an element loop that writes a shared tile it also reads
+                    # (here V's), and writes a scalar per element where a loop mixes element math and stores
                     for r, j in T.Parallel(C, V):
-                        vx_s[r, j] = T.if_then_else(r < n_valid, vx_s[r, j] - eg_x[r] * acc_x[r, j], 0.0)
+                        acc_x[r, j] = T.if_then_else(r < n_valid, vx_s[r, j] - eg_x[r] * acc_x[r, j], 0.0)
+                    T.copy(acc_x, vx_s)
                     T.fence_proxy_async()
                     T.wgmma_gemm(tb_s, vx_s, acc_x, clear_accum=True)              # U = Tb X
                     T.wait_wgmma(0)
-                    T.barrier_wait(u_free, ph ^ 1)
                     for r, j in T.Parallel(C, V):
-                        u_s[r, j] = T.if_then_else(r < n_valid, acc_x[r, j], 0.0)
+                        acc_x[r, j] = T.if_then_else(r < n_valid, acc_x[r, j], 0.0)
+                    T.barrier_wait(u_free, ph ^ 1)
+                    T.copy(acc_x, u_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(u_ready)
                     T.barrier_wait(ds_ready, ph)
@@ -318,9 +345,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_arrive(du_ready)
                     T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)   # dX = Tb^T dU
                     T.wait_wgmma(0)
-                    T.barrier_wait(gx_free, ph ^ 1)
                     for r, j in T.Parallel(C, V):
-                        gx_s[r, j] = -eg_x[r] * acc_x[r, j]
+                        acc_x[r, j] = -eg_x[r] * acc_x[r, j]
+                    T.barrier_wait(gx_free, ph ^ 1)
+                    T.copy(acc_x, gx_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(gx_ready)
                     # the solve's backward from dU, off the chain (which the owner closes meanwhile), shared with p:
@@ -331,49 +359,44 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(du_s, vx_s, xf2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
-                        p_s[r, c] = T.if_then_else(r < n_valid, xf2[r, c] * b_s[c], 0.0)
+                        xf2[r, c] = T.if_then_else(r < n_valid, xf2[r, c] * b_s[c], 0.0)
+                    T.copy(xf2, p_s)
                     T.fence_proxy_async()
                     T.wgmma_gemm(t_s, p_s, xf2, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.copy(xf2, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(m_ready)
-                    T.barrier_wait(do_free, ph)
-                    if i + 1 < n_chunks:
-                        load_do(do, do_s, loaded, bos, n_chunks, hv, i + 1)
                     T.clear(xf1)
                     T.wgmma_gemm(k_s, k_s, xf1, transpose_B=True, clear_accum=True)     # K K^T
                     T.wgmma_gemm(p_s, t_s, xf2, transpose_B=True, clear_accum=True)     # M T^T
                     T.wait_wgmma(0)
-                    # H = diag(beta) dA (.) D; dbeta += rows of dA (.) K K^T (.) D; dgamma += beta (.) the same
-                    T.barrier_wait(h_free, ph ^ 1)
-                    for r, c in T.Parallel(C, C):   # H's triangle and the diagonal; H^T's below
-                        if r >= c:
-                            h_s[r, c] = masked((r > c) & (r < n_valid), -b_s[r] * xf2[r, c], g_s, r, c)
+                    T.barrier_arrive(m_read)                   # P's tile is p's, for H^T
+                    # H = diag(beta) dA (.) D with dA (.) D = -M T^T (.) D strictly below the diagonal, all of the
+                    # tile to h_s (zeros above: H^T goes through P's tile); dbeta += rows of dA (.) K K^T (.) D;
+                    # dgamma += beta (.) the same. One exponential an element (two, when H's triangle was written
+                    # element by element beside the row terms' pass)
                     for r, c in T.Parallel(C, C):
-                        xf2[r, c] = masked((r > c) & (r < n_valid), -xf2[r, c] * xf1[r, c], g_s, r, c)
-                    T.reduce_sum(xf2, row_x, dim=1)
+                        xf2[r, c] = masked((r > c) & (r < n_valid), -xf2[r, c], g_s, r, c)
+                    for r, c in T.Parallel(C, C):
+                        xf1[r, c] = xf1[r, c] * xf2[r, c]
+                        xf2[r, c] = b_s[r] * xf2[r, c]
+                    T.barrier_wait(h_free, ph ^ 1)
+                    T.copy(xf2, h_s)
+                    T.reduce_sum(xf1, row_x, dim=1)
                     for r in T.Parallel(C):
                         dbx_s[r] = row_x[r]
                         dga_s[r] = b_s[r] * row_x[r]
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
-                    T.barrier_wait(du_free, ph)                # p's X dU^T has read dU's tile and X's
-                    T.barrier_wait(s0_free, ph)
-                    if i + 1 < n_chunks:
-                        load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i + 1)
+                    T.barrier_wait(du_free, ph)                # p's X dU^T has read dU's tile
                     # dv = dX made again from dU's tile, once g has H (one 64 x 128 x 64 product where keeping dX
                     # through the solve took 32 registers more than x has), and stored through that tile
                     T.clear(acc_x)   # a new live range: ptxas reads a wgmma's accumulator even where it clears it
                     T.wgmma_gemm(tb_s, du_s, acc_x, transpose_A=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    if i + 1 < n_chunks:
-                        load_tb(a, tb_s, loaded, bos, n_chunks, hv, i + 1)
+                    T.barrier_arrive(tb_free)
                     store_rows(acc_x, du_s, dv, t0, hv, n_valid)
-                    T.barrier_arrive(freed)
-                    T.barrier_wait(freed, ph)
-                    if i + 1 < n_chunks:
-                        load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i + 1)
             elif tx < 384:
                 # ---- p: P, dPD; dgamma's P terms ----
                 T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
@@ -390,13 +413,14 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(u_ready, ph)
                     T.wgmma_gemm(do_s, u_s, f2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    T.barrier_wait(pd_free, ph ^ 1)
+                    for r, c in T.Parallel(C, C):   # P (.) dP first: dPD takes dP's fragment, as x's passes do
+                        f1[r, c] = f1[r, c] * f2[r, c]
                     for r, c in T.Parallel(C, C):
-                        pd_s[r, c] = masked((r >= c) & (r < n_valid), scale * f2[r, c], g_s, r, c)
+                        f2[r, c] = masked((r >= c) & (r < n_valid), scale * f2[r, c], g_s, r, c)
+                    T.barrier_wait(pd_free, ph ^ 1)
+                    T.copy(f2, pd_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(pd_ready)
-                    for r, c in T.Parallel(C, C):
-                        f1[r, c] = f1[r, c] * f2[r, c]
                     T.reduce_sum(f1, dgp, dim=1)
                     # ... minus its columns: the rows of s (U dO^T) (.) (K Q^T) (.) D^T
                     T.wgmma_gemm(u_s, do_s, f2, transpose_B=True, clear_accum=True)
@@ -417,27 +441,28 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r, c in T.Parallel(C, C):
                         f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
                     T.reduce_sum(f1, row_p, dim=1)
+                    T.barrier_wait(h_free, ph ^ 1)             # g's tail has read the previous chunk's
                     for r in T.Parallel(C):
                         dbp_s[r] = row_p[r]
-                    # ... and, once x has M, T M^T: H^T (the upper triangle of H + H^T, g's one product with K),
+                    # ... and, once x has M, T M^T: H^T (into P's tile once x has read M: g's second product with K),
                     # H^T[r, c] = H[c, r] = -beta_c (M T^T)[c, r] D[c, r] = -beta_c (T M^T)[r, c] D[c, r], and the
                     # columns of diag(beta) dA (.) K K^T (.) D as its rows (dA^T = -T M^T), with K K^T again
                     T.barrier_wait(m_ready, ph)
                     T.wgmma_gemm(t_s, p_s, f2, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    T.barrier_wait(h_free, ph ^ 1)
                     for r, c in T.Parallel(C, C):
-                        if c > r:
-                            h_s[r, c] = masked(c < n_valid, -b_s[c] * f2[r, c], g_s, c, r)
-                        f2[r, c] = masked((c > r) & (c < n_valid), -b_s[c] * f2[r, c] * f1[r, c], g_s, c, r)
-                    T.reduce_sum(f2, row_p, dim=1)
+                        f2[r, c] = masked((c > r) & (c < n_valid), -b_s[c] * f2[r, c], g_s, c, r)
+                    for r, c in T.Parallel(C, C):
+                        f1[r, c] = f1[r, c] * f2[r, c]
+                    T.barrier_wait(m_read, ph)                 # x has read M from P's tile
+                    T.copy(f2, p_s)
+                    T.reduce_sum(f1, row_p, dim=1)
                     for r in T.Parallel(C):
                         dgp_s[r] = dgp[r] - row_p[r]
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
                     T.barrier_arrive(gp_ready)
-                    T.barrier_arrive(freed)
             else:
                 # ---- g: dq, dk; dgamma's O, X and state terms; dg ----
                 T.set_max_nreg(G_REGS, int(G_REGS > 128))   # raise, or lower, from 128
@@ -482,22 +507,23 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(gx_ready, ph)
                     T.wgmma_gemm(gx_s, s0_s, acc_g, transpose_B=True)
                     T.wait_wgmma(0)
-                    T.barrier_arrive(gx_free)
                     T.barrier_arrive(s0_free)                  # its last read of S0: the next chunk's
                     row_dot(acc_g, k_s, tmp_g, row_g)
                     for r in T.Parallel(C):
                         dgam[r] += row_g[r] - 2.0 * de_g[r]
                     T.wgmma_gemm(pd_s, q_s, acc_g, transpose_A=True)                  # + dPD^T Q
                     T.barrier_wait(h_ready, ph)
-                    T.wgmma_gemm(h_s, k_s, acc_g)                                       # + (H + H^T) K
+                    T.wgmma_gemm(h_s, k_s, acc_g)                                       # + H K
+                    T.wgmma_gemm(p_s, k_s, acc_g)                                       # + H^T K
                     T.wait_wgmma(0)
-                    T.barrier_arrive(pd_free)
-                    # dk leaves through Q's tile, whose readers are done: g's products above, p's (before
-                    # gp_ready), the owner's (before its gx_free arrival); per-thread stores from the accumulator
-                    # took ~3000 clocks of g's tail (session 16's trace)
+                    T.barrier_arrive(pd_free)                  # with h_ready: Q and K are the next chunk's
+                    # dk leaves through dX's tile once the owner has read it (gx_read; g's own product above),
+                    # where x writes the next chunk's only after gx_free; Q's tile, as before session 17, held
+                    # the next chunk's loads back to this point
                     T.barrier_wait(gp_ready, ph)
-                    T.barrier_wait(gx_free, ph)
-                    store_rows(acc_g, q_s, dk, t0, hv, n_valid)
+                    T.barrier_wait(gx_read, ph)
+                    store_rows(acc_g, gx_s, dk, t0, hv, n_valid)
+                    T.barrier_arrive(gx_free)
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,
@@ -508,7 +534,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         if r < n_valid:
                             dbeta[0, t0 + r, hv] = dbx_s[r] + dbp_s[r]
                     T.barrier_arrive(h_free)
-                    T.barrier_arrive(freed)
                     # dg: the reverse cumsum within the chunk, each row's suffix sum on its own thread (one
                     # thread's 64 dependent steps with a store each paced g's tail)
                     T.clear(sfx)
