@@ -48,8 +48,9 @@ def cubin(source: str, workdir: Path, fast_math: bool) -> tuple[Path, str]:
     nvcc = shutil.which("nvcc") or str(Path(find_cuda_path()) / "bin" / "nvcc")
     cu, out = workdir / "kernel.cu", workdir / "kernel.cubin"
     cu.write_text(source)
-    done = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-Xptxas", "-v", *default_compile_options(),
-                           *(["--use_fast_math"] if fast_math else []), "-o", str(out), str(cu)], capture_output=True, text=True, check=True)
+    flags = [*default_compile_options(), *(["--use_fast_math"] if fast_math else [])]
+    done = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-Xptxas", "-v", *flags, "-o", str(out), str(cu)],
+                          capture_output=True, text=True, check=True)
     return out, done.stderr
 
 

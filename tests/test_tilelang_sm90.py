@@ -86,6 +86,26 @@ def _assert_hopper_paths(src: str):
     assert not _barriers_under_thread_subsets(src), _barriers_under_thread_subsets(src)
 
 
+_ELEMENT_LOOP = re.compile(r"^\s*for \(int i_\d+ = 0; i_\d+ < \d+; \+\+i_\d+\) \{$")
+
+
+def _element_loops_with_barriers(src: str) -> int:
+    """How many of the generated CUDA's element loops (TileLang's unrolled `for (int i_N ...)`) hold a barrier in
+    their body: TileLang puts one in every step of a loop that reads and writes the same shared tile."""
+    lines, found = src.split("\n"), 0
+    for i, line in enumerate(lines):
+        if _ELEMENT_LOOP.match(line):
+            depth = 0
+            for body in lines[i:]:
+                depth += body.count("{") - body.count("}")
+                if "__sync_thread_partial" in body or "__syncthreads" in body:
+                    found += 1
+                    break
+                if depth == 0:
+                    break
+    return found
+
+
 # a warpgroup role's branch (threads below a multiple of 128); any other thread condition picks a subset
 _ROLE_BRANCH = re.compile(r"^if \(\(\(int\)threadIdx\.x\) < ([1-9][0-9]*)\) \{$")
 
@@ -254,6 +274,9 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     assert "mma_sync" not in src
     assert src.count("wgmma_ss<") == 26   # owner 2, x 10 (dX twice), p 7 (K K^T again), g 7 (H and H^T apart)
     assert src.count("tma_store(") == 2    # a full chunk's dv and dk
+    # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
+    # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
+    assert _element_loops_with_barriers(src) == 1 and src.count("stmatrix") >= 10
     for n in (bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS):   # raised above the launch's 128 a thread, or lowered
         assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
     assert ("(dinit + " in src) == dinit

@@ -29,9 +29,10 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              accumulator's rows against Q or K, <S0, dS_end>, and dg
 
 The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 22 (dX twice: for the chain, then for dv's
-store), p 13 (K K^T again), g 20 (H K and H^T K apart: each of x and p writes its triangle as a whole tile). Session 15's form gave the solve's backward to p, after its P work: p then paced
-every chunk (clock64 trace, 16/32 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step,
-x idle from ~15800); all of it in x paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
+store), p 13 (K K^T again), g 20 (H K and H^T K apart: each of x and p writes its triangle as a whole tile).
+Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk (clock64 trace, 16/32
+1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from ~15800); all of it in x
+paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
 host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles, each reloaded for the
 next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
 chunk's loads).
