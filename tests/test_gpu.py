@@ -43,6 +43,18 @@ def _backends() -> list[str]:
 
 
 BACKENDS = _backends()
+# the gradient tests run tilelang_sm90 a second time with its fused backward (GDNKIT_SM90_FUSED_BACKWARD's switch)
+GRAD_BACKENDS = BACKENDS + (["tilelang_sm90+fused"] if "tilelang_sm90" in BACKENDS else [])
+
+
+def backward_form(backend: str, monkeypatch) -> str:
+    """The backend name to call: 'tilelang_sm90+fused' is tilelang_sm90 with its fused backward switched on for
+    this test only."""
+    if backend.endswith("+fused"):
+        from gdnkit.backends.tilelang_sm90 import backward as bwd
+        monkeypatch.setattr(bwd, "FUSED", True)
+        return backend.removesuffix("+fused")
+    return backend
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -102,9 +114,10 @@ def test_chunk_forward_varlen_with_states(backend, H, HV, dtype):
     assert rel(ht, ref_ht) <= bar, f"final state: {rel(ht, ref_ht):.2e}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
 @pytest.mark.parametrize("H,HV", HEADS)
-def test_chunk_gradients_varlen(backend, H, HV):
+def test_chunk_gradients_varlen(backend, H, HV, monkeypatch):
+    backend = backward_form(backend, monkeypatch)
     cu = torch.tensor(CU_SEQLENS, device="cuda", dtype=torch.long)
     x = make(H, HV, CU_SEQLENS[-1], N=len(CU_SEQLENS) - 1, seed=7 + H * 100 + HV)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -159,13 +172,14 @@ def test_final_state_carries_into_the_next_call(backend):
     assert rel(h2, ref_ht) <= BF16_FWD_BAR
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
 @pytest.mark.parametrize("H,HV,T", [(4, 8, 4160), (16, 32, 333)])
-def test_chunk_gradients_repeat_bitwise(backend, H, HV, T):
+def test_chunk_gradients_repeat_bitwise(backend, H, HV, T, monkeypatch):
     """The same backward twice gives bitwise-identical gradients: no float atomics, no races. 4/8 at 4160
     tokens takes the context-parallel path of the fast backends (few heads, a long sequence, a chunk tail),
     16/32 the plain one. A build that races (a miscompiled software pipeline) fails here even where its
     errors happen to stay under the accuracy bars."""
+    backend = backward_form(backend, monkeypatch)
     x = make(H, HV, T, seed=11)
     gen = torch.Generator(device="cuda").manual_seed(2)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)

@@ -1670,12 +1670,15 @@ def _fold_group(t, H):
 
 
 @pytest.mark.gpu
-def test_training_gradients_repeat_bitwise():
+@pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
+def test_training_gradients_repeat_bitwise(fused, monkeypatch):
     """Two backward passes of the same training call give bitwise-identical gradients (no float atomics),
-    through the public API with GVA, varlen and an initial state."""
+    through the public API with GVA, varlen and an initial state; the default backward and the fused one."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    monkeypatch.setattr(bwd, "FUSED", fused)
     H, HV, dev = 4, 16, "cuda"
     cu = torch.tensor([0, 77, 1000, 1333], device=dev)
     T = int(cu[-1])
@@ -1696,17 +1699,21 @@ def test_training_gradients_repeat_bitwise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HV,T", [(2, 8, 1000), (4, 16, 4160)], ids=["side-stream", "segments"])
-def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T):
+@pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
+def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatch):
     """A training call (forward and backward) captured in a CUDA graph and replayed gives the eager call's
     gradients, its outputs poisoned before the replay. side-stream: no segments, so the backward's S0 recompute
     runs on a side stream beside the reverse pass (backward._recompute_beside), forked and joined inside the
     capture; the first replay reads S0 from graph-pool memory no earlier call wrote, so a read before the join
     shows. segments: the forward's gated warm-up route (nothing read back) and the backward's exact route under
     capture, where eager may take the backward's warm-up route (dS_end within e^-12 of each other): gradients
-    compared to 2e-3, not bitwise."""
+    compared to 2e-3, not bitwise. fused: the same calls through the fused backward (its S0 recompute in series,
+    then one kernel)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    monkeypatch.setattr(bwd, "FUSED", fused)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(12)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
