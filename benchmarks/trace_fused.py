@@ -41,7 +41,7 @@ EVENTS = {
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),
           ("gx_in", "T.barrier_wait(gx_ready, ph)"), ("h_in", "T.barrier_wait(h_ready, ph)"),
           ("pd_free", "T.barrier_arrive(pd_free)"), ("gp_in", "T.barrier_wait(gp_ready, ph)"),
-          ("end", "T.barrier_arrive(h_free)")],
+          ("dk_out", "store_rows(acc_g, gx_s, dk, t0, hv, n_valid)"), ("end", "T.barrier_arrive(h_free)")],
 }
 N_EVENTS = max(len(v) for v in EVENTS.values())
 # the role branches as backward_fused.py opens them (at this indentation)
