@@ -11,6 +11,7 @@ import functools
 import inspect
 import re
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -1135,6 +1136,13 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     monkeypatch.setattr(bwd, "backward_fused_kernel", _recorded(
         calls, "backward_fused_kernel",
         lambda H, HV, dt, has_dinit, store_dh0: _backward_fused_stand_in(has_dinit, store_dh0)))
+    # the fused path's S0 buffer is released before the GVA sums allocate theirs (its memory takes them)
+    s0_buffers, s0_alive_at_sums = [], []
+    real_entering, real_group_sum = bwd.entering_states, bwd.group_sum
+    monkeypatch.setattr(bwd, "entering_states", lambda *a, **kw: (
+        lambda hs: s0_buffers.append(weakref.ref(hs)) or hs)(real_entering(*a, **kw)))
+    monkeypatch.setattr(bwd, "group_sum", lambda *a: s0_alive_at_sums.append(
+        any(ref() is not None for ref in s0_buffers)) or real_group_sum(*a))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -1169,6 +1177,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
+    assert s0_alive_at_sums == ([False, False] if fused else []), s0_alive_at_sums
 
     d64 = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
     p64, i64 = validate_inputs(CHUNK_MODE, **d64, output_final_state=True, cu_seqlens=cu,

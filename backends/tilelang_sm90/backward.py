@@ -289,10 +289,19 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
 
 
 def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
-    """(dq, dk, dv, dg, dbeta, dh0) packed, by backward_fused.py after the S0 recompute. Where one program per
-    (sequence, head) leaves SMs idle, the sequences run in the wide route's segments (forward.wide_segment_chunks),
-    each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up, exact where it does not settle).
-    dq and dk leave the kernel per value head; each key head's group is summed here, in value head order."""
+    """(dq, dk, dv, dg, dbeta, dh0) packed, by backward_fused.py after the S0 recompute. dq and dk leave the kernel
+    per value head; each key head's group is summed here, in value head order, once the kernel's S0 buffer (and the
+    routes' scratch on it) is released: the sums then take its memory instead of adding to the backward's peak."""
+    dq_hv, dk_hv, dv, dg, dbeta, dh0 = _fused_kernel_outputs(problem, s, do, dht)
+    qk, _ = _grads_dtype(problem, s)
+    H = s.q.shape[2]
+    return group_sum(dq_hv, H, qk), group_sum(dk_hv, H, qk), dv, dg, dbeta, dh0
+
+
+def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
+    """(dq, dk per value head, dv, dg, dbeta, dh0) packed, from the fused kernel. Where one program per (sequence,
+    head) leaves SMs idle, the sequences run in the wide route's segments (forward.wide_segment_chunks), each from
+    its dS_end by the gated route (_gated_ds_ends: a reverse warm-up, exact where it does not settle)."""
     layout = s.layout
     total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
     HV, V, N = problem.HV, problem.V, problem.N
@@ -325,6 +334,5 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
         placeholder if dh0 is None else dh0, float(problem.scale))
     if plan is not None and dh0 is not None:
         dh0 = _first_segments(dh0, plan, layout, dht)
-    qk, _ = _grads_dtype(problem, s)
-    return group_sum(dq_hv, H, qk), group_sum(dk_hv, H, qk), dv, dg, dbeta, dh0
+    return dq_hv, dk_hv, dv, dg, dbeta, dh0
 
