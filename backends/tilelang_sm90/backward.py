@@ -13,7 +13,8 @@ is the definition every stage is checked against.
 
 With FUSED (GDNKIT_SM90_FUSED_BACKWARD=1; _fused_grads) the reverse pass and the per-chunk gradients are one
 kernel, backward_fused.py, after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per
-value head and are summed over each key head's group here. Correct, not yet faster (BACKWARD.md).
+value head and are summed over each key head's group here. Correct on the H200 (its float64 cases), faster than
+the default at 16/32 heads and slower at 4/8 1x8192 (BACKWARD.md, session 17).
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
 dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's), checked
@@ -40,7 +41,8 @@ from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
 # The fused backward (backward_fused.py: the reverse pass with the per-chunk gradients, one launch after the S0
-# recompute) instead of backward_state + chunk_grads. Off by default until its GPU timings are in.
+# recompute) instead of backward_state + chunk_grads. Off by default until the GPU gradient tests have run it and
+# a rule says where it wins (NOTES, "Next for speed" item 0).
 FUSED = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "0") == "1"
 
 
