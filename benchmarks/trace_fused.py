@@ -23,11 +23,15 @@ import tempfile
 from pathlib import Path
 
 ROLES = ("owner", "x", "p", "g")
-# role -> [(event, a line pattern unique in the role's block: the stamp goes after that line)]
+# role -> [(event, a line pattern unique in the role's block: the stamp goes after that line; or a tuple of
+# patterns, the first found exactly once taken)]
 EVENTS = {
     "owner": [("landed", "landed(loaded,"), ("ds_handed", "T.barrier_arrive(ds_ready)"),
               ("do_read", "T.barrier_wait(do_read, ph)"), ("gx_in", "T.barrier_wait(gx_ready, ph)"),
-              ("tb_in", "T.barrier_wait(tb_free, ph)"), ("end", "hk, hv, i + 1)")],
+              ("tb_in", "T.barrier_wait(tb_free, ph)"),
+              # the last load the owner issues for the next chunk: Q and K alone since session 18, before that
+              # Q, K, T and the gates together (kept so --source traces the older form too)
+              ("end", ("load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i + 1)", "hk, hv, i + 1)"))],
     "x": [("landed", "landed(loaded,"), ("u_ready", "T.barrier_arrive(u_ready)"),
           ("ds_in", "T.barrier_wait(ds_ready, ph)"), ("p_in", "T.barrier_wait(p_ready, ph)"),
           ("gx_ready", "T.barrier_arrive(gx_ready)"), ("m_ready", "T.barrier_arrive(m_ready)"),
@@ -57,9 +61,12 @@ def stamped_source(source: str, chunks: int) -> str:
     inserts = []   # (line index to insert after, text)
     for role, (lo, hi) in enumerate(bounds):
         for event, (name, pattern) in enumerate(EVENTS[ROLES[role]]):
-            hits = [j for j in range(lo, hi) if pattern in lines[j]]
-            if len(hits) != 1:
-                raise ValueError(f"{ROLES[role]}.{name}: {pattern!r} found {len(hits)} times in the role's block")
+            for candidate in (pattern if isinstance(pattern, tuple) else (pattern,)):
+                hits = [j for j in range(lo, hi) if candidate in lines[j]]
+                if len(hits) == 1:
+                    break
+            else:
+                raise ValueError(f"{ROLES[role]}.{name}: {pattern!r} not found exactly once in the role's block")
             j = hits[0]
             pad = " " * (len(lines[j]) - len(lines[j].lstrip()))
             inserts.append((j, [f"{pad}if tx % 128 == 0:",

@@ -13,7 +13,8 @@ Q, K, V and dO, with P = s Q K^T (.) D_incl:
 
 Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G_REGS below, summing to 512):
 
-    owner (threads   0-127)  dS: hands bf16 dS_end over, dS <- Gamma_C dS, scales dO's tile in place to
+    owner (threads   0-127)  dS: hands bf16 dS_end over, dS <- Gamma_C dS (and Gamma_C <S0, dS_end> for g's dg
+                             from its registers), scales dO's tile in place to
                              s diag(Gamma) dO once every other role has read it, dS += Q^T (that), then
                              dS += K^T (-Gamma dX) when x hands it over; then the TMA loads of the next chunk,
                              each tile once its last readers are done
@@ -26,7 +27,7 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              the solve's: dbeta's X dU^T term, and T M^T once x has M (H^T's triangle, the column
                              terms of dbeta's and dgamma's A terms)
     g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
-                             accumulator's rows against Q or K, <S0, dS_end>, and dg
+                             accumulator's rows against Q or K, and dg
 
 The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 22 (dX twice: for the chain, then for dv's
 store), p 13 (K K^T again), g 20 (H K and H^T K apart: each of x and p writes its triangle as a whole tile).
@@ -44,7 +45,7 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     pd_ready (p)        pd_free (g: its products with Q and K are done too)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile)
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
-    m_read (x: its M T^T has read P's tile)
+    m_read (x: its M T^T has read P's tile)    tot_ready (owner: Gamma_C <S0, dS_end> for g's tail)
     gp_ready (p: dgamma's P terms)             h_ready (x, p: H and H^T, the A terms, and x's and p's last reads
                                                of Q, K, T and the gates)
     h_free (g: its tail has read H and the per-row terms of x and p)
@@ -62,10 +63,11 @@ THREADS = 512
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 # registers per thread of each role (setmaxnreg; a role starts at 65536 / 512 = 128 and raises or lowers it), so
-# the four sum to 512. x holds its [64, 128] accumulator or the solve's two 64 x 64 ones, p two 64 x 64 ones
-# (below 128 it spilled ~90 stores' worth in the CPU build's SASS); session 15's split, with the solve in p, was
-# 160 / 96 / 144 / 112
-OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 112, 128, 112
+# the four sum to 512. x holds its [64, 128] accumulator or the solve's two 64 x 64 ones, p two 64 x 64 ones, g its
+# [64, 128] accumulator and a [64, 128] temporary for the row dots; session 15's split, with the solve in p, was
+# 160 / 96 / 144 / 112, session 16's 160 / 112 / 128 / 112. g paces the chunk since session 17's run D, so it takes
+# 8 of p's (sass_roles on the CPU host: g's spill stores / loads 31 / 35 -> 23 / 26, p's 5 / 6 -> 11 / 12)
+OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 112, 120, 120
 
 
 def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: bool = False,
@@ -73,7 +75,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     """dinit: each program's dS_end at its last chunk (the sequence's dht, or the segment's from the routes in
     backward.py); dh0: dS at its first chunk's start."""
     C = CHUNK
-    BK = 32  # column block of <S0, dS_end> (a K x 32 fp32 fragment at a time)
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128
     assert OWNER_REGS + X_REGS + P_REGS + G_REGS == 512
@@ -88,10 +89,11 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # The loads of chunk i + 1 leave as their tiles' last readers of chunk i are done, each adding its bytes to
     # `loaded` (whose phase for chunk i + 1 is open once every role has waited for chunk i's). The owner, idle
     # after its second product, issues them all: dO (its own product is dO's last reader), S0 and V (m_ready,
-    # du_free, s0_free), Tb (tb_free), then Q, K, T and the gates (h_ready, pd_free), whose macro's arrival of
-    # its 128 threads closes the phase. Session 17's first form had x issue them and wait for those barriers
-    # between its own products (run A: x ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a
-    # barrier of all 512 threads at the chunk's end (~3300 clocks from it to the next chunk).
+    # du_free, s0_free), Tb (tb_free), T and the gates (h_ready: only x and p read them late), then Q and K
+    # (pd_free: g's last products), whose macro's arrival of its 128 threads closes the phase. Session 17's first
+    # form had x issue them and wait for those barriers between its own products (run A: x ~2000 clocks slower a
+    # chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the chunk's end (~3300 clocks
+    # from it to the next chunk); until session 18 T and the gates waited with Q and K for g.
     @T.macro
     def load_do(do, do_s, loaded, bos, n_chunks, hv, i):
         T.tma_copy(do[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:V], do_s, barrier=loaded)
@@ -107,13 +109,17 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         T.tma_copy(a[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:C], tb_s, barrier=loaded)
 
     @T.macro
-    def load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i):
+    def load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i):
         ci = n_chunks - 1 - i
-        t0 = bos + ci * C
+        T.tma_copy(tm[0, bos + ci * C:bos + ci * C + C, hv, 0:C], t_s, barrier=loaded)
+        T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s, barrier=loaded)
+
+    @T.macro
+    def load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i):
+        """The chunk's last loads, and the owner's arrival that closes its phase."""
+        t0 = bos + (n_chunks - 1 - i) * C
         T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded)
         T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
-        T.tma_copy(tm[0, t0:t0 + C, hv, 0:C], t_s, barrier=loaded)
-        T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s, barrier=loaded)
         T.barrier_arrive(loaded)
 
     @T.macro
@@ -207,6 +213,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             dga_s = T.alloc_shared((C,), accum)       # x -> g: dgamma's A terms (rows)
             dbx_s = T.alloc_shared((C,), accum)       # x -> g: dbeta's A term
             dbp_s = T.alloc_shared((C,), accum)       # p -> g: dbeta's T term
+            tot_s = T.alloc_shared((1,), accum)       # owner -> g: Gamma_C <S0, dS_end>
             dg_s = T.alloc_shared((C,), accum)        # g: dgamma before its reverse cumsum
 
             dS = T.alloc_fragment((K, V), accum)      # owner
@@ -223,9 +230,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             row_g = T.alloc_fragment((C,), accum)
             de_g = T.alloc_fragment((C,), accum)
             dgam = T.alloc_fragment((C,), accum)
-            sk = T.alloc_fragment((K, BK), accum)
-            part = T.alloc_fragment((K,), accum)
-            tot = T.alloc_fragment((1,), accum)       # <S0, dS_end>
+            red = T.alloc_fragment((128, 2), accum)   # owner: <S0, dS>, two slots of each thread (see its pass)
+            tot = T.alloc_fragment((1,), accum)
             carry = T.alloc_fragment((1,), accum)     # the state decay's terms summed (Gamma_C's share)
             sfx = T.alloc_fragment((C,), accum)       # g: dg, the suffix sums of dg_s
             g_last = T.alloc_var(accum)
@@ -244,6 +250,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             m_read = T.alloc_barrier(arrive_count=128)
             tb_free = T.alloc_barrier(arrive_count=128)
             s0_free = T.alloc_barrier(arrive_count=128)
+            tot_ready = T.alloc_barrier(arrive_count=128)
             gx_ready = T.alloc_barrier(arrive_count=128)
             gx_read = T.alloc_barrier(arrive_count=128)
             gx_free = T.alloc_barrier(arrive_count=128)
@@ -264,7 +271,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     load_do(do, do_s, loaded, bos, n_chunks, hv, 0)
                     load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, 0)
                     load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
-                    load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, 0)
+                    load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, 0)
+                    load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, 0)
                 for i in T.serial(n_chunks):
                     ph, _, n_valid = landed(loaded, bos, eos, n_chunks, i)
                     T.barrier_wait(ds_free, ph ^ 1)            # x and g have read the previous dS_end
@@ -276,6 +284,17 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         sg_o[r] = T.if_then_else(r < n_valid, scale * T.exp(g_s[r]), 0.0)
                     for r, j in T.Parallel(K, V):
                         dS[r, j] = dS[r, j] * T.exp(g_last)
+                    # Gamma_C <S0, dS_end> for g's dg (the state decay's gate term) from the registers, while the
+                    # others read dO: each thread adds its elements of dS (.) S0 into its own two slots of red (the
+                    # accumulator's element (r, j) lives in thread r % 64 // 16 * 32 + r % 8 * 4 + j % 8 // 2), one
+                    # reduction across the warpgroup after. g's own pass over two shared tiles paced its chain
+                    T.clear(red)
+                    for r, j in T.Parallel(K, V):
+                        red[r % 64 // 16 * 32 + r % 8 * 4 + j % 8 // 2, j % 2] += dS[r, j] * T.cast(s0_s[r, j], accum)
+                    T.reduce_sum(T.reshape(red, (256,)), tot, dim=0, clear=True)
+                    T.barrier_wait(h_free, ph ^ 1)             # g's tail has read the previous chunk's
+                    tot_s[0] = tot[0]
+                    T.barrier_arrive(tot_ready)
                     T.barrier_wait(do_read, ph)                 # x, p and g have read dO as loaded
                     for r, j in T.Parallel(C, V):
                         do_s[r, j] = do_s[r, j] * sg_o[r]
@@ -299,8 +318,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         T.barrier_wait(tb_free, ph)
                         load_tb(a, tb_s, loaded, bos, n_chunks, hv, i + 1)
                         T.barrier_wait(h_ready, ph)
+                        load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i + 1)
                         T.barrier_wait(pd_free, ph)
-                        load_rest(q, k, tm, gamma, q_s, k_s, t_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i + 1)
+                        load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i + 1)
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
@@ -486,17 +506,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r, j in T.Parallel(C, K):
                         if r < n_valid:
                             dq[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
-                    # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term;
-                    # <S0, dS_end> on the CUDA cores meanwhile
+                    # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term
                     T.barrier_wait(u_ready, ph)
                     T.barrier_wait(ds_ready, ph)
                     T.wgmma_gemm(u_s, ds_s, acc_g, transpose_B=True, clear_accum=True)
-                    T.clear(part)
-                    for jb in T.serial(V // BK):
-                        for r, j in T.Parallel(K, BK):
-                            sk[r, j] = T.cast(s0_s[r, jb * BK + j], accum) * T.cast(ds_s[r, jb * BK + j], accum)
-                        T.reduce_sum(sk, part, dim=1, clear=False)
-                    T.reduce_sum(part, tot, dim=0)
                     T.wait_wgmma(0)
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(u_free)
@@ -522,13 +535,14 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # where x writes the next chunk's only after gx_free; Q's tile, as before session 17, held
                     # the next chunk's loads back to this point
                     T.barrier_wait(gp_ready, ph)
+                    T.barrier_wait(tot_ready, ph)
                     T.barrier_wait(gx_read, ph)
                     store_rows(acc_g, gx_s, dk, t0, hv, n_valid)
                     T.barrier_arrive(gx_free)
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,
-                            dgam[r] + dgp_s[r] + dga_s[r] + T.if_then_else(r == n_valid - 1, T.exp(g_last) * tot[0] + carry[0],
+                            dgam[r] + dgp_s[r] + dga_s[r] + T.if_then_else(r == n_valid - 1, tot_s[0] + carry[0],
                                                                 0.0),
                             0.0)
                     for r in T.Parallel(C):
