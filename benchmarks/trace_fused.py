@@ -29,9 +29,10 @@ EVENTS = {
     "owner": [("landed", "landed(loaded,"), ("ds_handed", "T.barrier_arrive(ds_ready)"),
               ("do_read", "T.barrier_wait(do_read, ph)"), ("gx_in", "T.barrier_wait(gx_ready, ph)"),
               ("tb_in", "T.barrier_wait(tb_free, ph)"),
-              # the last load the owner issues for the next chunk: Q and K alone since session 18, before that
-              # Q, K, T and the gates together (kept so --source traces the older form too)
-              ("end", ("load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i + 1)", "hk, hv, i + 1)"))],
+              # the last load the owner issues for the next chunk: K alone since session 18's second form, Q and
+              # K in its first, Q, K, T and the gates before (kept so --source traces the older forms too)
+              ("end", ("load_k(k, k_s, loaded, bos, n_chunks, hk, i + 1)",
+                       "load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i + 1)", "hk, hv, i + 1)"))],
     "x": [("landed", "landed(loaded,"), ("u_ready", "T.barrier_arrive(u_ready)"),
           ("ds_in", "T.barrier_wait(ds_ready, ph)"), ("p_in", "T.barrier_wait(p_ready, ph)"),
           ("gx_ready", "T.barrier_arrive(gx_ready)"), ("m_ready", "T.barrier_arrive(m_ready)"),
@@ -39,7 +40,9 @@ EVENTS = {
           ("end", "store_rows(acc_x, du_s, dv")],
     "p": [("landed", "landed(loaded,"), ("p_ready", "T.barrier_arrive(p_ready)"),
           ("u_in", "T.barrier_wait(u_ready, ph)"), ("pd_ready", "T.barrier_arrive(pd_ready)"),
-          ("du_in", "T.barrier_wait(du_ready, ph)"), ("m_in", "T.barrier_wait(m_ready, ph)"),
+          ("du_in", "T.barrier_wait(du_ready, ph)"),
+          # its A terms' start: x's H (session 18), or x's M for its own H^T (before)
+          ("late_in", ("T.barrier_wait(h_ready, ph)", "T.barrier_wait(m_ready, ph)")),
           ("gp_ready", "T.barrier_arrive(gp_ready)")],
     "g": [("landed", "landed(loaded,"), ("dq_first", "T.barrier_arrive(do_read)"),
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),

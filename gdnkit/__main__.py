@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--inference", action="store_true", help="the forward's kernels only (no training)")
     from gdnkit.backends.tilelang_sm90.precompile import BACKWARDS
     warm.add_argument("--backward", choices=BACKWARDS, default="both",
-                      help="training: the default backward's kernels (staged), the fused one's "
-                           "(GDNKIT_SM90_FUSED_BACKWARD=1), or both")
+                      help="training: the staged backward's kernels, the fused one's, or both (the default: "
+                           "each call takes one by size, GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one)")
     warm.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel build processes")
     sub.add_parser("bench", help="the benchmark harness (python -m gdnkit bench --help)")
     args = parser.parse_args(argv)

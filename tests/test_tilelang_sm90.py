@@ -273,7 +273,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "mma_sync" not in src
-    assert src.count("wgmma_ss<") == 26   # owner 2, x 10 (dX twice), p 7 (K K^T again), g 7 (H and H^T apart)
+    # owner 2, x 9 (dX twice), p 6 (K K^T again), g 7 (H K, and H^T K from the same tile, transposed)
+    assert src.count("wgmma_ss<") == 24
     assert src.count("tma_store(") == 2    # a full chunk's dv and dk
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
     # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
@@ -282,6 +283,46 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
         assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
     assert ("(dinit + " in src) == dinit
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
+
+
+def test_fused_backward_rule_and_its_switch(monkeypatch):
+    """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
+    FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
+    longer than the SMs' even share; the staged one elsewhere (points of session 18's measurement, each on the
+    side that measured faster). GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one; any other value fails at import
+    with the variable named."""
+    import itertools
+    import os
+    import subprocess
+    import sys
+    import types
+    _tilelang()
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    from gdnkit.backends.tilelang_sm90 import forward
+    monkeypatch.setattr(bwd, "FUSED", None)
+    monkeypatch.setattr(bwd, "_sm_count_of", lambda dev: 132)
+    monkeypatch.setattr(forward, "_sm_count_of", lambda dev: 132)
+    monkeypatch.setattr(forward, "_wide_route_available", lambda: True)
+
+    def saved(*lengths):
+        cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        return types.SimpleNamespace(layout=seqlayout.sequence_layout(cu))
+    cpu = torch.device("cpu")
+    assert bwd.fused_pays(saved(8192), 32, cpu)                              # 16/32: 1.18x the staged path
+    assert bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 8, cpu)  # 4/8: 1.02x
+    assert not bwd.fused_pays(saved(8192), 8, cpu)                           # 4/8: too little work (0.85x)
+    assert not bwd.fused_pays(saved(205, 708, 4326, 2953), 32, cpu)          # 16/32: one long program (0.91x)
+    assert not bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 16, cpu)   # 8/16: 0.81x
+    for forced in (True, False):
+        monkeypatch.setattr(bwd, "FUSED", forced)
+        assert bwd.fused_pays(saved(8192), 32, cpu) == forced and bwd.fused_pays(saved(64), 1, cpu) == forced
+    for value, want in (("1", "True"), ("0", "False"), ("auto", "None"), ("yes", "ValueError")):
+        run = subprocess.run([sys.executable, "-c", "from gdnkit.backends.tilelang_sm90 import backward as b; "
+                              "print(b.FUSED)"], capture_output=True, text=True,
+                             env={**os.environ, "GDNKIT_SM90_FUSED_BACKWARD": value})
+        assert want in run.stdout + run.stderr, (value, run.stdout, run.stderr[-500:])
+    assert "GDNKIT_SM90_FUSED_BACKWARD" in run.stderr
 
 
 @pytest.mark.parametrize("T,H,HV,dtype", [(77, 2, 8, torch.bfloat16), (40, 4, 4, torch.float16), (0, 2, 4, torch.bfloat16),

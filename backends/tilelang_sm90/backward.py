@@ -11,10 +11,10 @@ then the options' prologue undone (gdnkit.prologue). GVA's sums of dq / dk happe
 head order (bitwise repeatable; no float atomics anywhere). backends/reference/chunked_backward.py
 is the definition every stage is checked against.
 
-With FUSED (GDNKIT_SM90_FUSED_BACKWARD=1; _fused_grads) the reverse pass and the per-chunk gradients are one
-kernel, backward_fused.py, after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per
-value head and are summed over each key head's group here. Correct on the H200 (its float64 cases), faster than
-the default at 16/32 heads and slower at 4/8 1x8192 (BACKWARD.md, session 17).
+The fused path (_fused_grads): the reverse pass and the per-chunk gradients in one kernel, backward_fused.py,
+after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per value head and are summed over
+each key head's group here. fused_pays picks it where the work is large and evenly spread over the programs
+(faster there, H200 session 18), the staged path above elsewhere; GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
 dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's), checked
@@ -41,9 +41,37 @@ from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
 # The fused backward (backward_fused.py: the reverse pass with the per-chunk gradients, one launch after the S0
-# recompute) instead of backward_state + chunk_grads. Off by default until the GPU gradient tests have run it and
-# a rule says where it wins (NOTES, "Next for speed" item 0).
-FUSED = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "0") == "1"
+# recompute) or the staged one (backward_state + chunk_grads): GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one, unset
+# (or "auto") fused_pays decides per call. FUSED: True, False, or None for the rule.
+_FUSED_SETTINGS = {"1": True, "0": False, "auto": None, "": None}
+_fused_env = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "")
+if _fused_env not in _FUSED_SETTINGS:
+    raise ValueError(f"GDNKIT_SM90_FUSED_BACKWARD must be 1, 0 or auto, got {_fused_env!r}")
+FUSED = _FUSED_SETTINGS[_fused_env]
+# The rule (H200, the full grid's 32 backward points with each path forced, benchmarks/JOURNAL.md session 18): the
+# fused path where the work is at least FUSED_MIN_WORK chunks x value heads (below, the staged path's fixed costs
+# are lower: its S0 recompute runs beside its reverse pass, the fused kernel waits for all of it) and its longest
+# program (a sequence, or a segment of the wide route's cut) at most FUSED_MAX_IMBALANCE times the SMs' even
+# share of the work (the fused kernel walks each program's chunks in series; the staged path's per-chunk kernel
+# runs every chunk at once, so one long sequence among short ones keeps only the fused kernel waiting). It picked
+# the faster path at 30 of the 32 points, the other two 1-2% apart.
+FUSED_MIN_WORK = 4096
+FUSED_MAX_IMBALANCE = 1.6
+
+
+def fused_pays(s: Saved, HV: int, dev: torch.device) -> bool:
+    """Whether this call's backward runs the fused kernel: FUSED where set, else the rule above."""
+    if FUSED is not None:
+        return FUSED
+    layout, sms = s.layout, _sm_count_of(dev)
+    work = layout.n_chunks * HV
+    if work < FUSED_MIN_WORK or sms == 0:
+        return False
+    longest = max(-(-n // forward.CHUNK) for n in layout.lengths)
+    seg = forward.wide_segment_chunks(layout, HV, dev)   # the fused path's segments (_fused_kernel_outputs)
+    if seg:
+        longest = min(longest, seg)
+    return longest <= FUSED_MAX_IMBALANCE * work / sms
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +221,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     if dht is not None:
         dht = dht.float()
         dht = (dht.transpose(-1, -2) if problem.state_v_first else dht).contiguous()
-    dq, dk, dv, dg, dbeta, dh0 = (_fused_grads if FUSED else _staged_grads)(problem, s, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = (_fused_grads if fused_pays(s, HV, do.device) else _staged_grads)(problem, s, do, dht)
     dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,

@@ -21,16 +21,15 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
     x     (threads 128-255)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
                              dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
                              and g; then, while the owner closes the chain, most of the solve's backward from dU
-                             (dT, M, then M T^T with K K^T: H's lower triangle, dbeta's and dgamma's A terms)
-                             and dv
+                             (dT, M, then M T^T: dA (.) D and H's lower triangle) and dv
     p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms; then the rest of
-                             the solve's: dbeta's X dU^T term, and T M^T once x has M (H^T's triangle, the column
-                             terms of dbeta's and dgamma's A terms)
+                             the solve's: dbeta's X dU^T term, and once x has written dA (.) D and H, the A terms
+                             of dbeta and dgamma with K K^T (H's tile read transposed for the columns)
     g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
                              accumulator's rows against Q or K, and dg
 
-The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 22 (dX twice: for the chain, then for dv's
-store), p 13 (K K^T again), g 20 (H K and H^T K apart: each of x and p writes its triangle as a whole tile).
+The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 20 (dX twice: for the chain, then for dv's
+store), p 12 (K K^T again), g 20 (H K, and H^T K from the same tile read transposed by the tensor cores).
 Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk (clock64 trace, 16/32
 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from ~15800); all of it in x
 paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
@@ -43,12 +42,13 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
     gx_ready (x)        gx_read (owner)        gx_free (g: dk's store through the tile is done)
     pd_ready (p)        pd_free (g: its products with Q and K are done too)
-    du_ready (x)        du_free (p)            m_ready (x: M in P's tile)
+    du_ready (x)        du_free (p)            m_ready (x: M in P's tile, its last read of X)
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
-    m_read (x: its M T^T has read P's tile)    tot_ready (owner: Gamma_C <S0, dS_end> for g's tail)
-    gp_ready (p: dgamma's P terms)             h_ready (x, p: H and H^T, the A terms, and x's and p's last reads
-                                               of Q, K, T and the gates)
-    h_free (g: its tail has read H and the per-row terms of x and p)
+    q_free (g: its dPD^T Q is done)            tot_ready (owner: Gamma_C <S0, dS_end> for g's tail)
+    h_ready (x: dA (.) D in P's tile, H, and its last reads of K, T and the gates)
+    tg_read (p: its last reads of T and the gates)
+    gp_ready (p: dbeta's and dgamma's terms)
+    h_free (g: its tail has read H and p's per-row terms)
 
 Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
 per-row factors are 0 there (Gamma, Gamma_C / Gamma, s Gamma, beta), and P, dPD, D and the dT rows are masked.
@@ -89,11 +89,12 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # The loads of chunk i + 1 leave as their tiles' last readers of chunk i are done, each adding its bytes to
     # `loaded` (whose phase for chunk i + 1 is open once every role has waited for chunk i's). The owner, idle
     # after its second product, issues them all: dO (its own product is dO's last reader), S0 and V (m_ready,
-    # du_free, s0_free), Tb (tb_free), T and the gates (h_ready: only x and p read them late), then Q and K
-    # (pd_free: g's last products), whose macro's arrival of its 128 threads closes the phase. Session 17's first
-    # form had x issue them and wait for those barriers between its own products (run A: x ~2000 clocks slower a
-    # chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the chunk's end (~3300 clocks
-    # from it to the next chunk); until session 18 T and the gates waited with Q and K for g.
+    # du_free, s0_free), Q (q_free), T and the gates (h_ready, tg_read: only x and p read them late), Tb
+    # (tb_free), then K (pd_free: g's products with H), whose macro's arrival of its 128 threads closes the phase.
+    # Session 17's first form had x issue them and wait for those barriers between its own products (run A: x
+    # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
+    # chunk's end (~3300 clocks from it to the next chunk); until session 18 T, the gates and Q waited with K for
+    # g's last products.
     @T.macro
     def load_do(do, do_s, loaded, bos, n_chunks, hv, i):
         T.tma_copy(do[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:V], do_s, barrier=loaded)
@@ -115,10 +116,14 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s, barrier=loaded)
 
     @T.macro
-    def load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i):
-        """The chunk's last loads, and the owner's arrival that closes its phase."""
+    def load_q(q, q_s, loaded, bos, n_chunks, hk, i):
         t0 = bos + (n_chunks - 1 - i) * C
         T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded)
+
+    @T.macro
+    def load_k(k, k_s, loaded, bos, n_chunks, hk, i):
+        """The chunk's last load, and the owner's arrival that closes its phase."""
+        t0 = bos + (n_chunks - 1 - i) * C
         T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
         T.barrier_arrive(loaded)
 
@@ -199,20 +204,18 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             u_s = T.alloc_shared((C, V), dtype)       # U: x -> p, g
             du_s = T.alloc_shared((C, V), dtype)      # dU (x's), then dV's staging for its TMA store
             gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g; then dk's staging (g)
-            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), x's own dT and M (it has read P by dU), H^T (p -> g)
+            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), x's dT and M (it has read P by dU), dA (.) D (x -> p)
             pd_s = T.alloc_shared((C, C), dtype)      # dPD: p -> g
-            h_s = T.alloc_shared((C, C), dtype)       # H (strictly lower): x -> g
+            h_s = T.alloc_shared((C, C), dtype)       # H (strictly lower): x -> g, p
             # per-row factors, one set per role (a (C,) fragment under a (C, V) loop runs on a 64-thread replica)
             sg_o = T.alloc_shared((C,), accum)        # owner: s Gamma
             eg_x = T.alloc_shared((C,), accum)        # x: Gamma
             eu_x = T.alloc_shared((C,), accum)        # x: Gamma_C / Gamma
-            b_s = T.alloc_shared((C,), accum)         # x: beta
+            b_s = T.alloc_shared((C,), accum)         # x: beta (p reads it in its A terms)
             sg_g = T.alloc_shared((C,), accum)        # g: s Gamma
             eu_g = T.alloc_shared((C,), accum)        # g: Gamma_C / Gamma
-            dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P terms
-            dga_s = T.alloc_shared((C,), accum)       # x -> g: dgamma's A terms (rows)
-            dbx_s = T.alloc_shared((C,), accum)       # x -> g: dbeta's A term
-            dbp_s = T.alloc_shared((C,), accum)       # p -> g: dbeta's T term
+            dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P and A terms
+            dbp_s = T.alloc_shared((C,), accum)       # p -> g: dbeta's T and A terms
             tot_s = T.alloc_shared((1,), accum)       # owner -> g: Gamma_C <S0, dS_end>
             dg_s = T.alloc_shared((C,), accum)        # g: dgamma before its reverse cumsum
 
@@ -221,10 +224,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             f1 = T.alloc_fragment((C, C), accum)      # p
             f2 = T.alloc_fragment((C, C), accum)      # p
             row_p = T.alloc_fragment((C,), accum)
+            row_q = T.alloc_fragment((C,), accum)
             dgp = T.alloc_fragment((C,), accum)
-            xf1 = T.alloc_fragment((C, C), accum)     # x: the solve's backward
-            xf2 = T.alloc_fragment((C, C), accum)
-            row_x = T.alloc_fragment((C,), accum)
+            dbp = T.alloc_fragment((C,), accum)
+            xf2 = T.alloc_fragment((C, C), accum)     # x: the solve's backward
             acc_g = T.alloc_fragment((C, K), accum)   # g: dq, then dk
             tmp_g = T.alloc_fragment((C, V), accum)
             row_g = T.alloc_fragment((C,), accum)
@@ -247,7 +250,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             du_ready = T.alloc_barrier(arrive_count=128)
             du_free = T.alloc_barrier(arrive_count=128)
             m_ready = T.alloc_barrier(arrive_count=128)
-            m_read = T.alloc_barrier(arrive_count=128)
             tb_free = T.alloc_barrier(arrive_count=128)
             s0_free = T.alloc_barrier(arrive_count=128)
             tot_ready = T.alloc_barrier(arrive_count=128)
@@ -256,7 +258,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             gx_free = T.alloc_barrier(arrive_count=128)
             pd_ready = T.alloc_barrier(arrive_count=128)
             pd_free = T.alloc_barrier(arrive_count=128)
-            h_ready = T.alloc_barrier(arrive_count=256)
+            h_ready = T.alloc_barrier(arrive_count=128)
+            q_free = T.alloc_barrier(arrive_count=128)
+            tg_read = T.alloc_barrier(arrive_count=128)
             h_free = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
@@ -272,7 +276,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, 0)
                     load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
                     load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, 0)
-                    load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, 0)
+                    load_q(q, q_s, loaded, bos, n_chunks, hk, 0)
+                    load_k(k, k_s, loaded, bos, n_chunks, hk, 0)
                 for i in T.serial(n_chunks):
                     ph, _, n_valid = landed(loaded, bos, eos, n_chunks, i)
                     T.barrier_wait(ds_free, ph ^ 1)            # x and g have read the previous dS_end
@@ -308,19 +313,23 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wait_wgmma(0)
                     T.barrier_arrive(gx_read)
                     # idle until the next chunk: it reloads S0 and V once x (before m_ready), p (du_free) and g
-                    # (s0_free) have read them, Tb after x's last product (tb_free), and Q, K, T and the gates once
-                    # x's and p's passes (h_ready) and g's last products (pd_free) are done
+                    # (s0_free) have read them, Q after g's dPD^T Q (q_free), T and the gates once x's and p's
+                    # passes over them are done (h_ready, tg_read), Tb after x's last product (tb_free), and K after
+                    # g's products with H (pd_free)
                     if i + 1 < n_chunks:
                         T.barrier_wait(m_ready, ph)
                         T.barrier_wait(du_free, ph)
                         T.barrier_wait(s0_free, ph)
                         load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i + 1)
+                        T.barrier_wait(q_free, ph)
+                        load_q(q, q_s, loaded, bos, n_chunks, hk, i + 1)
+                        T.barrier_wait(h_ready, ph)
+                        T.barrier_wait(tg_read, ph)
+                        load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i + 1)
                         T.barrier_wait(tb_free, ph)
                         load_tb(a, tb_s, loaded, bos, n_chunks, hv, i + 1)
-                        T.barrier_wait(h_ready, ph)
-                        load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i + 1)
                         T.barrier_wait(pd_free, ph)
-                        load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i + 1)
+                        load_k(k, k_s, loaded, bos, n_chunks, hk, i + 1)
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
@@ -374,8 +383,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_arrive(gx_ready)
                     # the solve's backward from dU, off the chain (which the owner closes meanwhile), shared with p:
                     # x makes dTb = dU X^T -> dT = dTb diag(beta) (into P's tile, read by dU already) -> M = T^T dT
-                    # (in place of dT) for both, then dA = -M T^T (strictly lower) with K K^T: H's lower triangle,
-                    # dbeta's and dgamma's A terms; p takes dbeta's X dU^T term and T M^T (H^T, the column terms)
+                    # (in place of dT), then dA = -M T^T (strictly lower): dA (.) D for p (the A terms, with its
+                    # K K^T) and H = diag(beta) dA (.) D for g and p; p also takes dbeta's X dU^T term
                     T.clear(xf2)   # the solve's accumulators live only through it (see acc_x's below)
                     T.wgmma_gemm(du_s, vx_s, xf2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
@@ -388,26 +397,19 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.copy(xf2, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(m_ready)
-                    T.clear(xf1)
-                    T.wgmma_gemm(k_s, k_s, xf1, transpose_B=True, clear_accum=True)     # K K^T
                     T.wgmma_gemm(p_s, t_s, xf2, transpose_B=True, clear_accum=True)     # M T^T
                     T.wait_wgmma(0)
-                    T.barrier_arrive(m_read)                   # P's tile is p's, for H^T
-                    # H = diag(beta) dA (.) D with dA (.) D = -M T^T (.) D strictly below the diagonal, all of the
-                    # tile to h_s (zeros above: H^T goes through P's tile); dbeta += rows of dA (.) K K^T (.) D;
-                    # dgamma += beta (.) the same. One exponential an element (two, when H's triangle was written
-                    # element by element beside the row terms' pass)
+                    # dA (.) D = -M T^T (.) D strictly below the diagonal (zeros above) into P's tile (M read), for
+                    # p's row terms, and H = diag(beta) dA (.) D into h_s for g (and p's column terms). One
+                    # exponential an element; the row terms' products and reductions went to p in session 18 (x,
+                    # whose block here ends the chunk's chain, took them with its own K K^T until then)
                     for r, c in T.Parallel(C, C):
                         xf2[r, c] = masked((r > c) & (r < n_valid), -xf2[r, c], g_s, r, c)
+                    T.copy(xf2, p_s)
                     for r, c in T.Parallel(C, C):
-                        xf1[r, c] = xf1[r, c] * xf2[r, c]
                         xf2[r, c] = b_s[r] * xf2[r, c]
                     T.barrier_wait(h_free, ph ^ 1)
                     T.copy(xf2, h_s)
-                    T.reduce_sum(xf1, row_x, dim=1)
-                    for r in T.Parallel(C):
-                        dbx_s[r] = row_x[r]
-                        dga_s[r] = b_s[r] * row_x[r]
                     T.fence_proxy_async()
                     T.barrier_arrive(h_ready)
                     T.barrier_wait(du_free, ph)                # p's X dU^T has read dU's tile
@@ -462,27 +464,26 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r, c in T.Parallel(C, C):
                         f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
                     T.reduce_sum(f1, row_p, dim=1)
-                    T.barrier_wait(h_free, ph ^ 1)             # g's tail has read the previous chunk's
+                    T.barrier_arrive(tg_read)                  # p's last reads of T and the gates
                     for r in T.Parallel(C):
-                        dbp_s[r] = row_p[r]
-                    # ... and, once x has M, T M^T: H^T (into P's tile once x has read M: g's second product with K),
-                    # H^T[r, c] = H[c, r] = -beta_c (M T^T)[c, r] D[c, r] = -beta_c (T M^T)[r, c] D[c, r], and the
-                    # columns of diag(beta) dA (.) K K^T (.) D as its rows (dA^T = -T M^T), with K K^T again
-                    T.barrier_wait(m_ready, ph)
-                    T.wgmma_gemm(t_s, p_s, f2, transpose_B=True, clear_accum=True)
+                        dbp[r] = row_p[r]
+                    # ... and, once x has written dA (.) D and H, the A terms with K K^T: dbeta's the rows of
+                    # dA (.) K K^T (.) D, dgamma's beta (.) those minus the columns of H (.) K K^T, taken as the rows
+                    # of H^T (.) K K^T (K K^T is symmetric) from H's tile read transposed. Until session 18 x took
+                    # the rows (its own K K^T) and p made H^T (T M^T again, a masked pass, its own tile for g)
                     T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    T.barrier_wait(h_ready, ph)
+                    T.copy(p_s, f2)
                     for r, c in T.Parallel(C, C):
-                        f2[r, c] = masked((c > r) & (c < n_valid), -b_s[c] * f2[r, c], g_s, c, r)
-                    for r, c in T.Parallel(C, C):
-                        f1[r, c] = f1[r, c] * f2[r, c]
-                    T.barrier_wait(m_read, ph)                 # x has read M from P's tile
-                    T.copy(f2, p_s)
-                    T.reduce_sum(f1, row_p, dim=1)
+                        f2[r, c] = f2[r, c] * f1[r, c]
+                        f1[r, c] = f1[r, c] * T.cast(h_s[c, r], accum)
+                    T.reduce_sum(f2, row_p, dim=1)
+                    T.reduce_sum(f1, row_q, dim=1)
+                    T.barrier_wait(h_free, ph ^ 1)             # g's tail has read the previous chunk's
                     for r in T.Parallel(C):
-                        dgp_s[r] = dgp[r] - row_p[r]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(h_ready)
+                        dbp_s[r] = dbp[r] + row_p[r]
+                        dgp_s[r] = dgp[r] + b_s[r] * row_p[r] - row_q[r]
                     T.barrier_arrive(gp_ready)
             else:
                 # ---- g: dq, dk; dgamma's O, X and state terms; dg ----
@@ -526,11 +527,13 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r in T.Parallel(C):
                         dgam[r] += row_g[r] - 2.0 * de_g[r]
                     T.wgmma_gemm(pd_s, q_s, acc_g, transpose_A=True)                  # + dPD^T Q
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(q_free)                   # Q's last reader: the next chunk's Q may land
                     T.barrier_wait(h_ready, ph)
                     T.wgmma_gemm(h_s, k_s, acc_g)                                       # + H K
-                    T.wgmma_gemm(p_s, k_s, acc_g)                                       # + H^T K
+                    T.wgmma_gemm(h_s, k_s, acc_g, transpose_A=True)                     # + H^T K
                     T.wait_wgmma(0)
-                    T.barrier_arrive(pd_free)                  # with h_ready: Q and K are the next chunk's
+                    T.barrier_arrive(pd_free)                  # K's last reader: the next chunk's K may land
                     # dk leaves through dX's tile once the owner has read it (gx_read; g's own product above),
                     # where x writes the next chunk's only after gx_free; Q's tile, as before session 17, held
                     # the next chunk's loads back to this point
@@ -542,12 +545,12 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,
-                            dgam[r] + dgp_s[r] + dga_s[r] + T.if_then_else(r == n_valid - 1, tot_s[0] + carry[0],
+                            dgam[r] + dgp_s[r] + T.if_then_else(r == n_valid - 1, tot_s[0] + carry[0],
                                                                 0.0),
                             0.0)
                     for r in T.Parallel(C):
                         if r < n_valid:
-                            dbeta[0, t0 + r, hv] = dbx_s[r] + dbp_s[r]
+                            dbeta[0, t0 + r, hv] = dbp_s[r]
                     T.barrier_arrive(h_free)
                     # dg: the reverse cumsum within the chunk, each row's suffix sum on its own thread (one
                     # thread's 64 dependent steps with a store each paced g's tail)

@@ -35,8 +35,8 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
     propagator), and with `training` the intra kernel that also writes T, the state pass that stores S0 (without
     output: the backward's recompute; with it: the forward with KEEP_STATES), and the backward's: `staged` the
-    reverse pass and the per-chunk gradients (backward.py's default), `fused` the fused kernel and the unchained
-    reverse pass its segments' gated route runs (backward.FUSED), `both` all of them."""
+    reverse pass and the per-chunk gradients, `fused` the fused kernel and the unchained reverse pass its
+    segments' gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
     from .forward import WS_BLOCK_V
