@@ -63,7 +63,8 @@ THREADS = 512
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 # registers per thread of each role (setmaxnreg; a role starts at 65536 / 512 = 128 and raises or lowers it), so
-# the four sum to 512. x holds its [64, 128] accumulator or the solve's two 64 x 64 ones, p two 64 x 64 ones, g its
+# the four sum to 512. x holds its [64, 128] accumulator or the solve's 64 x 64 one (two until session 18 moved the
+# A terms' rows to p), p two 64 x 64 ones, g its
 # [64, 128] accumulator and a [64, 128] temporary for the row dots; session 15's split, with the solve in p, was
 # 160 / 96 / 144 / 112, session 16's 160 / 112 / 128 / 112. g paces the chunk since session 17's run D, so it takes
 # 8 of p's (sass_roles on the CPU host: g's spill stores / loads 31 / 35 -> 23 / 26, p's 5 / 6 -> 11 / 12)
