@@ -41,7 +41,7 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     loaded (the owner's loads)                 ds_ready (owner)  ds_free (x, g)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
     gx_ready (x)        gx_read (owner)        gx_free (g: dk's store through the tile is done)
-    pd_ready (p)        pd_free (g: its products with Q and K are done too)
+    pd_ready (p)        pd_free (g: its products with dPD and with K are done)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile, its last read of X)
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
     q_free (g: its dPD^T Q is done)            tot_ready (owner: Gamma_C <S0, dS_end> for g's tail)
@@ -422,7 +422,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_arrive(tb_free)
                     store_rows(acc_x, du_s, dv, t0, hv, n_valid)
             elif tx < 384:
-                # ---- p: P, dPD; dgamma's P terms ----
+                # ---- p: P, dPD; dgamma's P terms; dbeta's T term; the solve's A terms ----
                 T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
