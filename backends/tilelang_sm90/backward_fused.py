@@ -205,7 +205,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             u_s = T.alloc_shared((C, V), dtype)       # U: x -> p, g
             du_s = T.alloc_shared((C, V), dtype)      # dU (x's), then dV's staging for its TMA store
             gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g; then dk's staging (g)
-            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), x's dT and M (it has read P by dU), dA (.) D (x -> p)
+            p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), x's dT and M (P read by dU), dA (.) D (x -> p)
             pd_s = T.alloc_shared((C, C), dtype)      # dPD: p -> g
             h_s = T.alloc_shared((C, C), dtype)       # H (strictly lower): x -> g, p
             # per-row factors, one set per role (a (C,) fragment under a (C, V) loop runs on a 64-thread replica)
