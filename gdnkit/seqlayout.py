@@ -35,10 +35,19 @@ class SequenceLayout:
     def lengths(self) -> list[int]:
         return [e - s for s, e in zip(self.offsets[:-1], self.offsets[1:])]
 
+    @property
+    def chunk_counts(self) -> list[int]:
+        """Chunks per sequence (a partial last chunk counts)."""
+        return _chunk_counts(self.offsets)
+
+
+def _chunk_counts(offsets) -> list[int]:
+    return [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+
 
 def _build(offsets: list[int] | tuple[int, ...], device: torch.device) -> SequenceLayout:
     """From host offsets: the device tables without reading anything back (sizes are known here)."""
-    counts = [-(-(e - s) // CHUNK) for s, e in zip(offsets[:-1], offsets[1:])]
+    counts = _chunk_counts(offsets)
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)

@@ -67,7 +67,7 @@ def fused_pays(s: Saved, HV: int, dev: torch.device) -> bool:
     work = layout.n_chunks * HV
     if work < FUSED_MIN_WORK or sms == 0:
         return False
-    longest = max(-(-n // forward.CHUNK) for n in layout.lengths)
+    longest = max(layout.chunk_counts)
     seg = forward.wide_segment_chunks(layout, HV, dev)   # the fused path's segments (_fused_kernel_outputs)
     if seg:
         longest = min(longest, seg)
@@ -221,7 +221,8 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     if dht is not None:
         dht = dht.float()
         dht = (dht.transpose(-1, -2) if problem.state_v_first else dht).contiguous()
-    dq, dk, dv, dg, dbeta, dh0 = (_fused_grads if fused_pays(s, HV, do.device) else _staged_grads)(problem, s, do, dht)
+    grads = _fused_grads if fused_pays(s, HV, do.device) else _staged_grads
+    dq, dk, dv, dg, dbeta, dh0 = grads(problem, s, do, dht)
     dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,

@@ -43,7 +43,6 @@ from gdnkit.seqlayout import SequenceLayout
 
 from . import warmup
 
-CHUNK = 64
 # None: decide from the SM count; 0: never; n: segments of n chunks whenever a sequence is longer (tests)
 SEGMENT_CHUNKS = None
 # Below 32 chunks a segment, the kernel time gained is nil (2/8 1x2048: 0.068 ms plain, 0.066 with 8-chunk
@@ -89,7 +88,7 @@ def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
         return SEGMENT_CHUNKS or None
     if sms == 0 or _narrowest_programs(layout, HV) * WARMUP_SMS_PER_PROGRAM > sms:
         return None
-    longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
+    longest = max(layout.chunk_counts, default=0)
     per_sequence = max(1, sms // (2 * len(layout.lengths) * HV))
     seg = max(MIN_SEGMENT_CHUNKS, math.ceil(longest / per_sequence))
     return seg if seg < longest else None
@@ -107,7 +106,7 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
         return None
     if sms // pairs < 2:
         return None
-    chunks = [-(-n // CHUNK) for n in layout.lengths]
+    chunks = layout.chunk_counts
     # the shortest segments whose (segment, head) programs fit one wave, every sequence cut at the same length:
     # cutting each sequence into sms // pairs pieces left unequal ones with long programs (28672 + 4096 tokens at
     # 2/8: 56-chunk segments, 0.373 ms against 0.172 for 1x32768 in 32-chunk ones; H200, session 15's run 1)
@@ -149,7 +148,7 @@ def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: f
     pairs = len(layout.lengths) * HV
     if SEGMENT_CHUNKS is not None or sms == 0 or pairs < fill * sms:
         return None
-    chunks = [-(-n // CHUNK) for n in layout.lengths]
+    chunks = layout.chunk_counts
     longest = max(chunks, default=0)
     plain = max(longest, sum(chunks) * HV / sms)
     if longest < plain:   # the total work, not the longest sequence, bounds the plain pass: segments cannot help
@@ -189,7 +188,7 @@ def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout, waves: i
     each as long as its longest; more than one only in wide_waves_segment_chunks' domain, where the plain pass
     runs the same 128-column kernel (WAVES_STEP_RATIO), else the 64-column one (WIDE_STEP_RATIO)."""
     from .warmup_bound import pick_wide
-    longest = max((-(-n // CHUNK) for n in layout.lengths), default=0)
+    longest = max(layout.chunk_counts, default=0)
     ratio = waves * WAVES_STEP_RATIO if waves > 1 else WIDE_STEP_RATIO
     return pick_wide(walk, plan.own, plan.segments.cu_seqlens, layout.cu_seqlens, longest, ratio)
 
