@@ -282,6 +282,12 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     for n in (bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS):   # raised above the launch's 128 a thread, or lowered
         assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
     assert ("(dinit + " in src) == dinit
+    # the two reductions across a warpgroup's rows (the owner's <S0, dS_end>, g's state-decay sum) both run on
+    # hardware barriers 1 and 2 of 128 threads: g's waits for tot_ready, which the owner arrives after its own
+    reductions = re.findall(r"AllReduce<tl::SumOp, 128, (\d+), (\d+), tl::NamedBarrier<128>>", src)
+    assert sorted(reductions) == [("1", "0"), ("32", "384")], reductions
+    assert src.count("tot_ready[0].wait") == 1
+    assert src.index("tot_ready[0].wait") < src.index("AllReduce<tl::SumOp, 128, 32, 384")
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
@@ -1126,7 +1132,7 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
 @pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-mixed-gates",
                                   "segments-chained", "segments-chained-mixed-gates", "segments-exact",
                                   "fused-dense", "fused-varlen-gva-options", "fused-segments",
-                                  "fused-segments-weak-gates"])
+                                  "fused-segments-weak-gates", "fused-segments-mixed-gates"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
@@ -1653,6 +1659,20 @@ def test_chunk_grads_matches_reference_chunked_backward():
         assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
 
 
+def _fused_backward_forced(monkeypatch) -> list:
+    """On an sm90 GPU (else the test skips): tilelang_sm90's fused backward switched on for this test; returns the
+    list its kernel factory's calls are recorded in (a test asserts the kernel ran)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    monkeypatch.setattr(bwd, "FUSED", True)
+    launched = []
+    real = bwd.backward_fused_kernel
+    monkeypatch.setattr(bwd, "backward_fused_kernel", lambda *a: launched.append(a) or real(*a))
+    return launched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HV,lengths,state,final", [(2, 4, (200,), True, True),
                                                       (4, 16, (77, 0, 1000, 1333), True, True),
@@ -1666,15 +1686,8 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     the gated route (segments), 16/32 without an initial state, and a training call with neither state (the
     kernel's dS from zero, no dh0: the usual training call; added in session 15 after its last GPU run); and the
     same call twice, bitwise."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an sm90 GPU")
-    _tilelang()
+    launched = _fused_backward_forced(monkeypatch)
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
-    from gdnkit.backends.tilelang_sm90 import backward as bwd
-    monkeypatch.setattr(bwd, "FUSED", True)
-    launched = []
-    real = bwd.backward_fused_kernel
-    monkeypatch.setattr(bwd, "backward_fused_kernel", lambda *a: launched.append(a) or real(*a))
     dev, N = "cuda", len(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
     T = int(cu[-1])
@@ -1708,6 +1721,39 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
                             ("g", ref.dg), ("beta", ref.dbeta), ("initial_state", ref.dh0)):
                 want[name].append(t)
     want = {n: torch.cat(ts, dim=0 if n == "initial_state" else 1) for n, ts in want.items() if n in runs[0]}
+    errs = {n: _rel(runs[0][n], want[n]) for n in want}
+    assert all(e <= 1e-2 for e in errs.values()), errs
+    for n in runs[0]:
+        assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+@pytest.mark.gpu
+def test_backward_fused_with_options(monkeypatch):
+    """The fused backward under the options' prologue (qk l2norm, whose backward takes dq / dk after the group
+    sums in fp32; the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
+    both states: every gradient, dA_log and ddt_bias included, against autograd through the float64 reference, and
+    the call twice bitwise."""
+    launched = _fused_backward_forced(monkeypatch)
+    H, HV, dev = 4, 16, "cuda"
+    cu = torch.tensor([0, 77, 77, 1000, 1333], device=dev)
+    T, N = int(cu[-1]), cu.numel() - 1
+    gen = torch.Generator(device=dev).manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=r(1, T, H, K).to(torch.bfloat16), k=r(1, T, H, K).to(torch.bfloat16),
+             v=r(1, T, HV, V).to(torch.bfloat16), g=r(1, T, HV), beta=r(1, T, HV), initial_state=r(N, HV, K, V) * 0.1,
+             A_log=r(HV) * 0.5, dt_bias=r(HV))
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                output_final_state=True, cu_seqlens=cu)
+    do, dht = r(1, T, HV, V).to(torch.bfloat16), r(N, HV, K, V) * 0.1
+    runs = []
+    for _ in range(2):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, ht = gdnkit.chunk_gated_delta_rule(**leaves, **opts, backend="tilelang_sm90")
+        runs.append(dict(zip(leaves, torch.autograd.grad([o, ht], list(leaves.values()), [do, dht]))))
+    assert launched, "the fused kernel did not run"
+    d64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    o, ht = gdnkit.chunk_gated_delta_rule(**d64, **opts, backend="reference")
+    want = dict(zip(d64, torch.autograd.grad([o, ht], list(d64.values()), [do.double(), dht.double()])))
     errs = {n: _rel(runs[0][n], want[n]) for n in want}
     assert all(e <= 1e-2 for e in errs.values()), errs
     for n in runs[0]:

@@ -44,7 +44,9 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     pd_ready (p)        pd_free (g: its products with dPD and with K are done)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile, its last read of X)
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
-    q_free (g: its dPD^T Q is done)            tot_ready (owner: Gamma_C <S0, dS_end> for g's tail)
+    q_free (g: its dPD^T Q is done)            tot_ready (owner: Gamma_C <S0, dS_end> for g's tail; g waits
+                                               for it before its own warpgroup-wide sum, the two sharing
+                                               hardware barriers 1 and 2: session 19)
     h_ready (x: dA (.) D in P's tile, H, and its last reads of K, T and the gates)
     tg_read (p: its last reads of T and the gates)
     gp_ready (p: dbeta's and dgamma's terms)
@@ -518,6 +520,13 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r, j in T.Parallel(C, K):
                         acc_g[r, j] = acc_g[r, j] * eu_g[r]
                     row_dot(acc_g, k_s, tmp_g, de_g)
+                    # a sum over the warpgroup's rows, through shared memory behind hardware barriers 1 and 2 of
+                    # 128 threads (TileLang's AllReduce), which the owner's <S0, dS_end> reduction also takes: the
+                    # owner's (this chunk's) is done once tot_ready arrives, and its next one comes after this chunk's
+                    # K load, which waits for g's pd_free below. Without this wait the two could meet at those
+                    # barriers and each read the other's half-written workspace (session 19: dg off by 2e-2 in 11%
+                    # of its elements from run to run once g's timing moved)
+                    T.barrier_wait(tot_ready, ph)
                     T.reduce_sum(de_g, carry, dim=0)
                     # - diag(Gamma) dX S0^T: its rows (.) K are X's term (the rows now hold both)
                     T.barrier_wait(gx_ready, ph)
@@ -539,7 +548,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # where x writes the next chunk's only after gx_free; Q's tile, as before session 17, held
                     # the next chunk's loads back to this point
                     T.barrier_wait(gp_ready, ph)
-                    T.barrier_wait(tot_ready, ph)
                     T.barrier_wait(gx_read, ph)
                     store_rows(acc_g, gx_s, dk, t0, hv, n_valid)
                     T.barrier_arrive(gx_free)
