@@ -98,43 +98,48 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
     # chunk's end (~3300 clocks from it to the next chunk); until session 18 T, the gates and Q waited with K for
     # g's last products.
+    def chunk_of(n_chunks, i):
+        """Step i's chunk within its run (chunks right to left)."""
+        return n_chunks - 1 - i
+
+    def rows(bos, n_chunks, i):
+        """Step i's chunk as a token slice of the run starting at bos."""
+        t0 = bos + chunk_of(n_chunks, i) * C
+        return slice(t0, t0 + C)
+
     @T.macro
     def load_do(do, do_s, loaded, bos, n_chunks, hv, i):
-        T.tma_copy(do[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:V], do_s, barrier=loaded)
+        T.tma_copy(do[0, rows(bos, n_chunks, i), hv, 0:V], do_s, barrier=loaded)
 
     @T.macro
     def load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i):
-        ci = n_chunks - 1 - i
-        T.tma_copy(hs[c0 + ci, hv, 0:K, 0:V], s0_s, barrier=loaded)
-        T.tma_copy(v[0, bos + ci * C:bos + ci * C + C, hv, 0:V], vx_s, barrier=loaded)
+        T.tma_copy(hs[c0 + chunk_of(n_chunks, i), hv, 0:K, 0:V], s0_s, barrier=loaded)
+        T.tma_copy(v[0, rows(bos, n_chunks, i), hv, 0:V], vx_s, barrier=loaded)
 
     @T.macro
     def load_tb(a, tb_s, loaded, bos, n_chunks, hv, i):
-        T.tma_copy(a[0, bos + (n_chunks - 1 - i) * C:bos + (n_chunks - i) * C, hv, 0:C], tb_s, barrier=loaded)
+        T.tma_copy(a[0, rows(bos, n_chunks, i), hv, 0:C], tb_s, barrier=loaded)
 
     @T.macro
     def load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i):
-        ci = n_chunks - 1 - i
-        T.tma_copy(tm[0, bos + ci * C:bos + ci * C + C, hv, 0:C], t_s, barrier=loaded)
-        T.tma_copy(gamma[hv, c0 + ci, 0:C], g_s, barrier=loaded)
+        T.tma_copy(tm[0, rows(bos, n_chunks, i), hv, 0:C], t_s, barrier=loaded)
+        T.tma_copy(gamma[hv, c0 + chunk_of(n_chunks, i), 0:C], g_s, barrier=loaded)
 
     @T.macro
     def load_q(q, q_s, loaded, bos, n_chunks, hk, i):
-        t0 = bos + (n_chunks - 1 - i) * C
-        T.tma_copy(q[0, t0:t0 + C, hk, 0:K], q_s, barrier=loaded)
+        T.tma_copy(q[0, rows(bos, n_chunks, i), hk, 0:K], q_s, barrier=loaded)
 
     @T.macro
     def load_k(k, k_s, loaded, bos, n_chunks, hk, i):
         """The chunk's last load, and the owner's arrival that closes its phase."""
-        t0 = bos + (n_chunks - 1 - i) * C
-        T.tma_copy(k[0, t0:t0 + C, hk, 0:K], k_s, barrier=loaded)
+        T.tma_copy(k[0, rows(bos, n_chunks, i), hk, 0:K], k_s, barrier=loaded)
         T.barrier_arrive(loaded)
 
     @T.macro
     def landed(loaded, bos, eos, n_chunks, i):
         """Chunk i counted from the run's end, once its tiles have landed: (its barrier parity, first token, rows
         inside the sequence). Every role starts its step here."""
-        t0 = bos + (n_chunks - 1 - i) * C
+        t0 = rows(bos, n_chunks, i).start
         T.barrier_wait(loaded, i % 2)
         return i % 2, t0, T.min(eos - t0, C)
 
@@ -336,7 +341,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
-                # ---- x: X, U, then the chain's dU and dX; then its share of the solve's backward; the loads ----
+                # ---- x: X, U, then the chain's dU and dX; then its share of the solve's backward and dv ----
                 T.set_max_nreg(X_REGS, int(X_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
@@ -554,8 +559,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,
-                            dgam[r] + dgp_s[r] + T.if_then_else(r == n_valid - 1, tot_s[0] + carry[0],
-                                                                0.0),
+                            dgam[r] + dgp_s[r] + T.if_then_else(r == n_valid - 1, tot_s[0] + carry[0], 0.0),
                             0.0)
                     for r in T.Parallel(C):
                         if r < n_valid:
