@@ -48,7 +48,9 @@ EVENTS = {
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),
           ("gx_in", "T.barrier_wait(gx_ready, ph)"), ("h_in", "T.barrier_wait(h_ready, ph)"),
           ("pd_free", "T.barrier_arrive(pd_free)"), ("gp_in", "T.barrier_wait(gp_ready, ph)"),
-          ("dk_out", "store_rows(acc_g, gx_s, dk, t0, hv, n_valid)"), ("end", "T.barrier_arrive(h_free)")],
+          # dk's store: into its slot of S0's buffer since session 20, through store_rows before
+          ("dk_out", ("T.copy(gx_s, dqk[c, hv, 1, 0:C, 0:K])", "store_rows(acc_g, gx_s, dk, t0, hv, n_valid)")),
+          ("end", "T.barrier_arrive(h_free)")],
 }
 N_EVENTS = max(len(v) for v in EVENTS.values())
 # the role branches as backward_fused.py opens them (at this indentation)

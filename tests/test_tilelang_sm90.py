@@ -11,7 +11,6 @@ import functools
 import inspect
 import re
 import shutil
-import weakref
 
 import pytest
 import torch
@@ -275,7 +274,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     assert "mma_sync" not in src
     # owner 2, x 9 (dX twice), p 6 (K K^T again), g 7 (H K, and H^T K from the same tile, transposed)
     assert src.count("wgmma_ss<") == 24
-    assert src.count("tma_store(") == 2    # a full chunk's dv and dk
+    assert src.count("tma_store(") == 2    # a full chunk's dv; dk's rows into its slot of S0's buffer
+    assert "tma_store(dqk_desc" in src and "*(uint1*)(dqk + " in src   # dq's by the threads, into the same slot
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
     # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
     assert _element_loops_with_barriers(src) == 1 and src.count("stmatrix") >= 10
@@ -331,20 +331,31 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     assert "GDNKIT_SM90_FUSED_BACKWARD" in run.stderr
 
 
-@pytest.mark.parametrize("T,H,HV,dtype", [(77, 2, 8, torch.bfloat16), (40, 4, 4, torch.float16), (0, 2, 4, torch.bfloat16),
-                                           (33, 1, 3, torch.float32)])
-def test_group_sum_adds_each_key_heads_value_heads(T, H, HV, dtype):
-    """The fused backward's GVA sums (group_sum.py; Triton, interpreted on a CPU): each key head's value heads added
-    in fp32 and written in the gradients' dtype, within one unit in its last place of the float64 sum (the
-    interpreter's casts truncate); no group (HV == H) is a cast; no tokens, no launch."""
+@pytest.mark.parametrize("lengths,H,HV,dtype", [((77, 0, 130), 2, 8, torch.bfloat16), ((40,), 4, 4, torch.float16),
+                                                 ((0,), 2, 4, torch.bfloat16), ((33, 64), 1, 3, torch.float32)])
+def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
+    """The fused backward's GVA sums (group_sum.py; Triton, interpreted on a CPU) from dq / dk per chunk and value
+    head: each token's rows from its chunk's slot, each key head's value heads added in fp32 and written in the
+    gradients' dtype, within one unit in its last place of the float64 sum (the interpreter's casts truncate); a
+    group of one is a copy; a tail chunk's rows past its sequence, whatever they hold, are not read; the tokens past
+    the last sequence are zero; no chunks, no launch."""
     pytest.importorskip("triton")
-    from gdnkit.backends.tilelang_sm90.group_sum import group_sum
-    x = torch.randn(1, T, HV, 16, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
-    y = group_sum(x, H, dtype)
-    want = x.double().view(1, T, H, HV // H, 16).sum(3)
-    assert y.shape == (1, T, H, 16) and y.dtype == dtype
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90.group_sum import chunk_group_sums
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    layout, total, Kd = seqlayout.sequence_layout(cu), int(cu[-1]) + 5, 16
+    dqk = torch.randn(layout.n_chunks, HV, 2, 64, Kd, generator=torch.Generator().manual_seed(len(lengths)))
+    dqk = dqk.to(torch.bfloat16)
+    dq, dk = chunk_group_sums(dqk, layout, H, total, dtype)
+    want = torch.zeros(2, total, H, Kd, dtype=torch.float64)
+    for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for t in range(bos, eos):
+            c, row = int(layout.chunk_offsets[n]) + (t - bos) // 64, (t - bos) % 64
+            want[:, t] = dqk[c, :, :, row].double().view(H, HV // H, 2, Kd).sum(1).transpose(0, 1)
+    assert dq.shape == dk.shape == (1, total, H, Kd) and dq.dtype == dk.dtype == dtype
     tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
-    assert torch.allclose(y.double(), want, rtol=tol, atol=tol)
+    for got, w in zip((dq, dk), want):
+        assert torch.allclose(got[0].double(), w, rtol=tol, atol=tol)
 
 
 def test_fused_backward_sass_per_role():
@@ -1071,10 +1082,11 @@ def _chunk_grads_stand_in(q, k, v, do, du, dx, tb, tm, gamma, beta, h, dh, cu, t
 def _backward_fused_stand_in(has_dinit, store_dh0):
     """What the fused backward writes per (sequence or segment, value head), chunks last to first from its dinit
     row (or zero): the reverse pass's chain (dS_end rounded to bf16 as the kernel hands it over) and each chunk's
-    chunk_local_grads, dq and dk per value head, dh0 at the run's start."""
+    chunk_local_grads, dq and dk per chunk and value head into dqk (S0's buffer: a chunk's slot written after its
+    S0 is read), dh0 at the run's start."""
     from gdnkit.backends.reference.chunked_backward import chunk_local_grads
 
-    def run(q, k, v, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dq, dk, dv, dg, dbeta, dh0, scale):
+    def run(q, k, v, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dqk, dv, dg, dbeta, dh0, scale):
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -1093,7 +1105,7 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
                     dX = a[0, t0:t0 + m, hv, :m].double().T @ dU
                     got = chunk_local_grads(qq, kk, rows(v), dO, rows(beta), gs, tm[0, t0:t0 + m, hv, :m].double(),
                                             hs[c0 + ic, hv].double(), dU, dX, dse, scale)
-                    dq[0, t0:t0 + m, hv], dk[0, t0:t0 + m, hv] = got[0].to(dq.dtype), got[1].to(dk.dtype)
+                    dqk[c0 + ic, hv, :, :m] = torch.stack(got[:2]).to(dqk.dtype)
                     dg[0, t0:t0 + m, hv], dbeta[0, t0:t0 + m, hv] = got[2].float(), got[3].float()
                     dv[0, t0:t0 + m, hv] = dX.to(dv.dtype)
                     dS = (scale * qq.T @ (gs.exp()[:, None] * dO) + gs[-1].exp() * dS
@@ -1142,7 +1154,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     gates that barely decay, and one head of each), the chained route (where the exact route does not pay: the
     same warm-up, the reverse pass walking forward where it left a pair unsettled), or the exact route alone.
     fused-*: the same through the fused kernel (GDNKIT_SM90_FUSED_BACKWARD), its segments the wide route's, each
-    from its dS_end by the gated route; dq / dk per value head summed here. The kernels are float64 stand-ins of
+    from its dS_end by the gated route; dq / dk per chunk and value head summed here. The kernels are float64
+    stand-ins of
     their contracts; every gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
@@ -1183,13 +1196,13 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     monkeypatch.setattr(bwd, "backward_fused_kernel", _recorded(
         calls, "backward_fused_kernel",
         lambda H, HV, dt, has_dinit, store_dh0: _backward_fused_stand_in(has_dinit, store_dh0)))
-    # the fused path's S0 buffer is released before the GVA sums allocate theirs (its memory takes them)
-    s0_buffers, s0_alive_at_sums = [], []
-    real_entering, real_group_sum = bwd.entering_states, bwd.group_sum
+    # the fused path's dq / dk per value head are written into S0's buffer (recomputed, not the forward's)
+    s0_buffers, sums_in_s0 = [], []
+    real_entering, real_sums = bwd.entering_states, bwd.chunk_group_sums
     monkeypatch.setattr(bwd, "entering_states", lambda *a, **kw: (
-        lambda hs: s0_buffers.append(weakref.ref(hs)) or hs)(real_entering(*a, **kw)))
-    monkeypatch.setattr(bwd, "group_sum", lambda *a: s0_alive_at_sums.append(
-        any(ref() is not None for ref in s0_buffers)) or real_group_sum(*a))
+        lambda hs: s0_buffers.append(hs.data_ptr()) or hs)(real_entering(*a, **kw)))
+    monkeypatch.setattr(bwd, "chunk_group_sums", lambda dqk, *a: sums_in_s0.append(
+        dqk.data_ptr() in s0_buffers) or real_sums(dqk, *a))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -1224,7 +1237,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
-    assert s0_alive_at_sums == ([False, False] if fused else []), s0_alive_at_sums
+    assert sums_in_s0 == ([True] if fused else []), sums_in_s0
 
     d64 = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
     p64, i64 = validate_inputs(CHUNK_MODE, **d64, output_final_state=True, cu_seqlens=cu,
@@ -1758,6 +1771,30 @@ def test_backward_fused_with_options(monkeypatch):
     assert all(e <= 1e-2 for e in errs.values()), errs
     for n in runs[0]:
         assert torch.equal(runs[0][n], runs[1][n]), n
+
+
+@pytest.mark.gpu
+def test_backward_fused_repeats_bitwise_over_calls(monkeypatch):
+    """Six identical fused backward calls (16/32, one 4096-token sequence in the wide route's segments, with dht):
+    every gradient bitwise the same each time. dg's chunk-end term (the owner's and g's warpgroup reductions) is
+    where forms that moved the roles' timing went wrong (session 19's form D, session 20's ordered pairs; H200
+    runs, scratch/s20/dg_diff.py as this test's first form), in a segment's first chunk, from call to call."""
+    launched = _fused_backward_forced(monkeypatch)
+    H, HV, T, dev = 16, 32, 4096, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(21)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             v=r(1, T, HV, V).to(torch.bfloat16), g=F.logsigmoid(r(1, T, HV)), beta=torch.sigmoid(r(1, T, HV)))
+    do, dht = r(1, T, HV, V).to(torch.bfloat16), r(1, HV, K, V) * 0.1
+    runs = []
+    for _ in range(6):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, ht = gdnkit.chunk_gated_delta_rule(**leaves, output_final_state=True, backend="tilelang_sm90")
+        runs.append(dict(zip(x, torch.autograd.grad([o, ht], list(leaves.values()), [do, dht]))))
+    assert launched, "the fused kernel did not run"
+    for n in x:
+        assert all(torch.equal(runs[0][n], run[n]) for run in runs[1:]), n
 
 
 def _fold_group(t, H):

@@ -12,8 +12,8 @@ head order (bitwise repeatable; no float atomics anywhere). backends/reference/c
 is the definition every stage is checked against.
 
 The fused path (_fused_grads): the reverse pass and the per-chunk gradients in one kernel, backward_fused.py,
-after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per value head and are summed over
-each key head's group here. fused_pays picks it where the work is large and evenly spread over the programs
+after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per chunk and value head, in S0's
+buffer as the kernel frees it, and are summed over each key head's group here. fused_pays picks it where the work is large and evenly spread over the programs
 (faster there, H200 session 18), the staged path above elsewhere; GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
@@ -34,7 +34,7 @@ from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, warmup
-from .group_sum import group_sum
+from .group_sum import chunk_group_sums
 from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
                       no_walks, open_gate, propagator_kernel)
 
@@ -321,16 +321,18 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
 
 def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
     """(dq, dk, dv, dg, dbeta, dh0) packed, by backward_fused.py after the S0 recompute. dq and dk leave the kernel
-    per value head; each key head's group is summed here, in value head order, once the kernel's S0 buffer (and the
-    routes' scratch on it) is released: the sums then take its memory instead of adding to the backward's peak."""
-    dq_hv, dk_hv, dv, dg, dbeta, dh0 = _fused_kernel_outputs(problem, s, do, dht)
+    per chunk and value head in S0's buffer (backward_fused.py's docstring); each key head's group is summed here,
+    in value head order, while that buffer holds them: the per-value-head gradients add nothing to the backward's
+    peak (session 19's form wrote them to tensors of their own, 2 x 128 MB at 16/32 1x32768)."""
+    dqk, dv, dg, dbeta, dh0 = _fused_kernel_outputs(problem, s, do, dht)
     qk, _ = _grads_dtype(problem, s)
-    H = s.q.shape[2]
-    return group_sum(dq_hv, H, qk), group_sum(dk_hv, H, qk), dv, dg, dbeta, dh0
+    dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
-    """(dq, dk per value head, dv, dg, dbeta, dh0) packed, from the fused kernel. Where one program per (sequence,
+    """(dqk: dq, dk per chunk and value head; dv, dg, dbeta, dh0 packed) from the fused kernel. Where one program
+    per (sequence,
     head) leaves SMs idle, the sequences run in the wide route's segments (forward.wide_segment_chunks), each from
     its dS_end by the gated route (_gated_ds_ends: a reverse warm-up, exact where it does not settle)."""
     layout = s.layout
@@ -339,31 +341,34 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     dev = do.device
     dt = TORCH_TO_TL[problem.dtype]
     cu = layout.cu_seqlens
-    dq_hv = seqlayout.packed_output((1, total, HV, K), cu, device=dev, dtype=s.v.dtype)
-    dk_hv = seqlayout.packed_output((1, total, HV, K), cu, device=dev, dtype=s.v.dtype)
     dv = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=s.v.dtype)
     dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
-    # S0's buffer is the exact route's scratch for dh before the recompute fills it (and dq_hv, dv for its dU, dV:
-    # that reverse pass writes them only for the pairs the warm-up left unsettled, and the kernel overwrites them)
+    # S0's buffer is the exact route's scratch for dh before the recompute fills it (and du, dv for its dU, dV:
+    # that reverse pass writes them only for the pairs the warm-up left unsettled, and the kernel overwrites dv),
+    # and the kernel's dq / dk after (where the forward kept S0, those are not to be overwritten: a buffer of
+    # their own)
     hs = None if s.hs is not None else torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
     seg = forward.wide_segment_chunks(layout, HV, dev)
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     if seg:
         plan = context_parallel.plan_segments(layout, seg)
-        scratch = (dq_hv, dv, hs if hs is not None else torch.empty_like(s.hs))
+        scratch = (torch.empty_like(dv), dv, hs if hs is not None else torch.empty_like(s.hs))
         dinit = _gated_ds_ends(problem, s, plan, do, dht, scratch)
+        del scratch
         cu_run, offsets, n_run = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg
     else:
         plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N
+    # a slot of S0 [K, V] is dq's and dk's [64, K] rows (K = V = 128)
+    dqk = (hs if hs is not None else torch.empty_like(s.hs)).view(layout.n_chunks, HV, 2, seqlayout.CHUNK, K)
     hs = entering_states(problem, s, out=hs)
     store_dh0 = s.h0 is not None
     dh0 = torch.empty(n_run, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
     backward_fused_kernel(H, HV, dt, dinit is not None, store_dh0)(
         s.q, s.k, s.v, do, s.a, s.tm, hs, s.gamma, s.beta, cu_run, offsets,
-        placeholder if dinit is None else dinit, dq_hv, dk_hv, dv, dg, dbeta,
+        placeholder if dinit is None else dinit, dqk, dv, dg, dbeta,
         placeholder if dh0 is None else dh0, float(problem.scale))
     if plan is not None and dh0 is not None:
         dh0 = _first_segments(dh0, plan, layout, dht)
-    return dq_hv, dk_hv, dv, dg, dbeta, dh0
+    return dqk, dv, dg, dbeta, dh0
 

@@ -32,10 +32,14 @@ The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 20 (dX twice: for 
 store), p 12 (K K^T again), g 20 (H K, and H^T K from the same tile read transposed by the tensor cores).
 Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk (clock64 trace, 16/32
 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from ~15800); all of it in x
-paced the step the same way (~45400 clocks), hence the split (JOURNAL). dq and dk leave per value head (bf16); the
-host sums each key head's group in a fixed order (bitwise repeatable). Single-slot tiles, each reloaded for the
+paced the step the same way (~45400 clocks), hence the split (JOURNAL). Single-slot tiles, each reloaded for the
 next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
 chunk's loads).
+
+dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's rows then dk's), the host
+summing each key head's group in a fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
+passes S0's own buffer, each slot taken over once the chunk's S0 has landed from it (nothing reads it again), so
+the per-value-head gradients need no memory of their own (session 20: -256 MB of peak at 16/32 1x32768).
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
     loaded (the owner's loads)                 ds_ready (owner)  ds_free (x, g)
@@ -145,7 +149,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
 
     @T.macro
     def store_rows(acc, stage, out, t0, hv, n_valid):
-        """A chunk's [C, 128] rows of acc into out[0, t0:, hv, :] through the free tile `stage`: a full chunk by one
+        """dv: a chunk's [C, 128] rows of acc into out[0, t0:, hv, :] through the free tile `stage`: a full chunk by one
         TMA store, a tail chunk's valid rows by threads (a box would overwrite the next sequence's). The elected
         thread waits for the store to have read the tile before it goes on."""
         T.copy(acc, stage)
@@ -186,8 +190,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         dinit: T.Tensor((num_dinit, HV, K, V), accum),
-        dq: T.Tensor((1, num_tokens, HV, K), dtype),         # per value head
-        dk: T.Tensor((1, num_tokens, HV, K), dtype),
+        dqk: T.Tensor((num_chunks, HV, 2, C, K), dtype),     # dq, dk per chunk and value head (S0's buffer)
         dv: T.Tensor((1, num_tokens, HV, V), dtype),
         dg: T.Tensor((1, num_tokens, HV), accum),
         dbeta: T.Tensor((1, num_tokens, HV), accum),
@@ -512,9 +515,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(pd_ready, ph)
                     T.wgmma_gemm(pd_s, k_s, acc_g)
                     T.wait_wgmma(0)
-                    for r, j in T.Parallel(C, K):
-                        if r < n_valid:
-                            dq[0, t0 + r, hv, j] = T.cast(acc_g[r, j], dtype)
+                    c = c0 + chunk_of(n_chunks, i)
+                    for r, j in T.Parallel(C, K):   # a tail's rows past the sequence too: the slot is this program's
+                        dqk[c, hv, 0, r, j] = T.cast(acc_g[r, j], dtype)
                     # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term
                     T.barrier_wait(u_ready, ph)
                     T.barrier_wait(ds_ready, ph)
@@ -549,12 +552,14 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(h_s, k_s, acc_g, transpose_A=True)                     # + H^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(pd_free)                  # K's last reader: the next chunk's K may land
-                    # dk leaves through dX's tile once the owner has read it (gx_read; g's own product above),
-                    # where x writes the next chunk's only after gx_free; Q's tile, as before session 17, held
-                    # the next chunk's loads back to this point
+                    # dk leaves by one TMA store through dX's tile once the owner has read it (gx_read; g's own
+                    # product above), where x writes the next chunk's only after gx_free; Q's tile, as before
+                    # session 17, held the next chunk's loads back to this point
                     T.barrier_wait(gp_ready, ph)
                     T.barrier_wait(gx_read, ph)
-                    store_rows(acc_g, gx_s, dk, t0, hv, n_valid)
+                    T.copy(acc_g, gx_s)
+                    T.fence_proxy_async()
+                    T.copy(gx_s, dqk[c, hv, 1, 0:C, 0:K])
                     T.barrier_arrive(gx_free)
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
