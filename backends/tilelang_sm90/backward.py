@@ -13,8 +13,9 @@ is the definition every stage is checked against.
 
 The fused path (_fused_grads): the reverse pass and the per-chunk gradients in one kernel, backward_fused.py,
 after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per chunk and value head, in S0's
-buffer as the kernel frees it, and are summed over each key head's group here. fused_pays picks it where the work is large and evenly spread over the programs
-(faster there, H200 session 18), the staged path above elsewhere; GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
+buffer as the kernel frees it, and are summed over each key head's group here. fused_pays picks it where the work
+is large and evenly spread over the programs (faster there, H200 session 18), the staged path above elsewhere;
+GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
 dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's), checked
@@ -332,9 +333,9 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
 
 def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
     """(dqk: dq, dk per chunk and value head; dv, dg, dbeta, dh0 packed) from the fused kernel. Where one program
-    per (sequence,
-    head) leaves SMs idle, the sequences run in the wide route's segments (forward.wide_segment_chunks), each from
-    its dS_end by the gated route (_gated_ds_ends: a reverse warm-up, exact where it does not settle)."""
+    per (sequence, head) leaves SMs idle, the sequences run in the wide route's segments
+    (forward.wide_segment_chunks), each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up,
+    exact where it does not settle)."""
     layout = s.layout
     total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
     HV, V, N = problem.HV, problem.V, problem.N
