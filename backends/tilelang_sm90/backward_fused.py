@@ -52,7 +52,7 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
                                                for it before its own warpgroup-wide sum, the two sharing
                                                hardware barriers 1 and 2: session 19)
     h_ready (x: dA (.) D in P's tile, H, and its last reads of K, T and the gates)
-    tg_read (p: its last reads of T and the gates)
+    tg_read (p: its last reads of T, the gates and K)
     gp_ready (p: dbeta's and dgamma's terms)
     h_free (g: its tail has read H and p's per-row terms)
 
@@ -72,9 +72,12 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 # the four sum to 512. x holds its [64, 128] accumulator or the solve's 64 x 64 one (two until session 18 moved the
 # A terms' rows to p), p two 64 x 64 ones, g its
 # [64, 128] accumulator and a [64, 128] temporary for the row dots; session 15's split, with the solve in p, was
-# 160 / 96 / 144 / 112, session 16's 160 / 112 / 128 / 112. g paces the chunk since session 17's run D, so it takes
-# 8 of p's (sass_roles on the CPU host: g's spill stores / loads 31 / 35 -> 23 / 26, p's 5 / 6 -> 11 / 12)
-OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 112, 120, 120
+# 160 / 96 / 144 / 112, session 16's 160 / 112 / 128 / 112, session 17's 160 / 112 / 120 / 120 (g paced the chunk
+# then). Session 21 (H200, backward-only profile, the three fused quick points): x, whose block ends the chunk's
+# chain, takes 8 of g's: kernel 1.548 -> 1.471 ms at 16/32 1x32768, 0.422 -> 0.384 at 4/8 1x32768, 0.400 -> 0.398
+# at 16/32 1x8192 (sass_roles: x's spill stores / loads 43 / 63 -> 25 / 30, g's 12 / 14 -> 18 / 21); 160 / 128 /
+# 112 / 112 measured within 1% of it
+OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 120, 120, 112
 
 
 def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: bool = False,
@@ -222,7 +225,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             sg_o = T.alloc_shared((C,), accum)        # owner: s Gamma
             eg_x = T.alloc_shared((C,), accum)        # x: Gamma
             eu_x = T.alloc_shared((C,), accum)        # x: Gamma_C / Gamma
-            b_s = T.alloc_shared((C,), accum)         # x: beta (p reads it in its A terms)
+            b_s = T.alloc_shared((C,), accum)         # x: beta (p takes a copy, bet, for its A terms)
             sg_g = T.alloc_shared((C,), accum)        # g: s Gamma
             eu_g = T.alloc_shared((C,), accum)        # g: Gamma_C / Gamma
             dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P and A terms
@@ -238,6 +241,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             row_q = T.alloc_fragment((C,), accum)
             dgp = T.alloc_fragment((C,), accum)
             dbp = T.alloc_fragment((C,), accum)
+            bet = T.alloc_fragment((C,), accum)       # p: beta, read from b_s before tg_read (below)
             xf2 = T.alloc_fragment((C, C), accum)     # x: the solve's backward
             acc_g = T.alloc_fragment((C, K), accum)   # g: dq, then dk
             tmp_g = T.alloc_fragment((C, V), accum)
@@ -469,13 +473,17 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         dgp[r] -= row_p[r]
                     # its share of the solve's backward (x's comment): dbeta's term, the rows of X dU^T (.) T^T ...
                     T.barrier_wait(du_ready, ph)
+                    # beta for the A terms at p's end, taken now: once p arrives at tg_read the next chunk may
+                    # land and x rewrite b_s at its start (until session 21 p read b_s there, after h_ready: dg,
+                    # and only dg, then differed from call to call where the next chunk's x got ahead of p's tail)
+                    for r in T.Parallel(C):
+                        bet[r] = b_s[r]
                     T.wgmma_gemm(vx_s, du_s, f1, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(du_free)
                     for r, c in T.Parallel(C, C):
                         f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
                     T.reduce_sum(f1, row_p, dim=1)
-                    T.barrier_arrive(tg_read)                  # p's last reads of T and the gates
                     for r in T.Parallel(C):
                         dbp[r] = row_p[r]
                     # ... and, once x has written dA (.) D and H, the A terms with K K^T: dbeta's the rows of
@@ -484,6 +492,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # the rows (its own K K^T) and p made H^T (T M^T again, a masked pass, its own tile for g)
                     T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    # p's last reads of T, the gates and K (the owner reloads K after this too; until session 21
+                    # tg_read came before K K^T, which then only timing kept ahead of the next chunk's K)
+                    T.barrier_arrive(tg_read)
                     T.barrier_wait(h_ready, ph)
                     T.copy(p_s, f2)
                     for r, c in T.Parallel(C, C):
@@ -494,7 +505,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(h_free, ph ^ 1)             # g's tail has read the previous chunk's
                     for r in T.Parallel(C):
                         dbp_s[r] = dbp[r] + row_p[r]
-                        dgp_s[r] = dgp[r] + b_s[r] * row_p[r] - row_q[r]
+                        dgp_s[r] = dgp[r] + bet[r] * row_p[r] - row_q[r]
                     T.barrier_arrive(gp_ready)
             else:
                 # ---- g: dq, dk; dgamma's O, X and state terms; dg ----
