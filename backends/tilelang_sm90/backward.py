@@ -345,24 +345,25 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     dv = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=s.v.dtype)
     dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
-    # S0's buffer is the exact route's scratch for dh before the recompute fills it (and du, dv for its dU, dV:
-    # that reverse pass writes them only for the pairs the warm-up left unsettled, and the kernel overwrites dv),
-    # and the kernel's dq / dk after (where the forward kept S0, those are not to be overwritten: a buffer of
-    # their own)
-    hs = None if s.hs is not None else torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
+    # S0's buffer: the exact route's scratch for dh first (with du, dv for its dU, dV: that reverse pass writes them
+    # only for the pairs the warm-up left unsettled, and the kernel overwrites dv), then S0 from the recompute, then
+    # the kernel's dq / dk as it frees each slot. Where the forward kept S0 (not to be overwritten) a buffer of the
+    # same shape takes the scratch and dq / dk
+    buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype) if s.hs is None else \
+        torch.empty_like(s.hs)
     seg = forward.wide_segment_chunks(layout, HV, dev)
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     if seg:
         plan = context_parallel.plan_segments(layout, seg)
-        scratch = (torch.empty_like(dv), dv, hs if hs is not None else torch.empty_like(s.hs))
+        scratch = (torch.empty_like(dv), dv, buf)
         dinit = _gated_ds_ends(problem, s, plan, do, dht, scratch)
         del scratch
         cu_run, offsets, n_run = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg
     else:
         plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N
     # a slot of S0 [K, V] is dq's and dk's [64, K] rows (K = V = 128)
-    dqk = (hs if hs is not None else torch.empty_like(s.hs)).view(layout.n_chunks, HV, 2, seqlayout.CHUNK, K)
-    hs = entering_states(problem, s, out=hs)
+    dqk = buf.view(layout.n_chunks, HV, 2, seqlayout.CHUNK, K)
+    hs = entering_states(problem, s, out=buf)   # the forward's S0 where it kept them
     store_dh0 = s.h0 is not None
     dh0 = torch.empty(n_run, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
     backward_fused_kernel(H, HV, dt, dinit is not None, store_dh0)(
