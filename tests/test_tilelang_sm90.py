@@ -247,6 +247,21 @@ def test_backward_state_compiles_to_wgmma_and_tma(H, HV, dtype, dht, dh0, bv, ch
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
 
 
+@pytest.mark.parametrize("wide,chained", [(False, False), (False, True), (True, True)])
+def test_backward_state_ds_only_stores_only_dh0(wide, chained):
+    """The gated route's passes (ds_only): the same chain on wgmma, nothing stored but dh0 (du, dv, dh never
+    referenced); chained, the run starts at the segment's end (chunk_offsets[n + 1]) and reads its walk; the
+    full-width build also drops dX, which only dV needs."""
+    _tilelang()
+    module, extra = ("backward_state_wide", {}) if wide else ("backward_state", {"block_v": 64})
+    src = _source(module, 16, 32, "bfloat16", has_dht=chained, store_dh0=True, chained=chained, ds_only=True,
+                  **extra)
+    _assert_hopper_paths(src)
+    assert not any(re.search(rf"\b{d}(_desc)?\b", src) for d in ("du", "dv", "dh")), "a ds_only pass stores"
+    assert "(dh0 + " in src and ("walk[" in src) == chained
+    assert src.count("wgmma_ss") == 6   # the full-width build: its seven less dX
+
+
 @pytest.mark.parametrize("H,HV,dtype,chained", [(16, 32, "bfloat16", False), (4, 8, "float16", True)])
 def test_backward_state_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
     """The full-width reverse pass (the backward's where its programs fill the SMs, its wide route included): its
@@ -1006,18 +1021,22 @@ def _propagator_stand_in(k, a, v, gamma, cu, chunk_offsets, aug, gate):
             aug[n, hv] = S.float()
 
 
-def _backward_state_stand_in(has_dht, store_dh0, chained=False):
+def _backward_state_stand_in(has_dht, store_dh0, chained=False, ds_only=False):
     """What the backward's reverse pass writes: per chunk its dS_end (bf16, also the operand the chain uses),
     dU and dX rows, and dh0; nothing for a (segment, head) whose gate holds 0 (as the propagator's). chained: each
     program first walks walk[n, hv] chunks after its segment, last first, from zero, or from its dht row where
     that reaches the sequence's end (walk == after[n]; the walk then ends at seq_end[n]), writing only its own
-    chunks."""
+    chunks. ds_only: dh0 alone is written (du, dv and dh are (1, 1, 1, 1) stubs); chained, the run is the walk
+    alone, from the segment's end."""
     def run(q, k, a, do, gamma, cu, chunk_offsets, dht, du, dv, dh, dh0, scale, gate, walk, after, seq_end):
         n_prog = cu.numel() - 1
         assert not chained or walk.shape[0] == n_prog   # else placeholders the kernel never reads
+        assert not ds_only or du.shape == dv.shape == dh.shape == (1, 1, 1, 1)
         grp = a.shape[2] // k.shape[2]
         for n in range(n_prog):
             bos, c0, own_end = int(cu[n]), int(chunk_offsets[n]), int(chunk_offsets[n + 1])
+            if chained and ds_only:
+                bos, c0 = int(cu[n + 1]), own_end
             for hv in range(a.shape[2]):
                 if int(gate[min(n, gate.shape[0] - 1), hv]) == 0:
                     continue
@@ -1027,7 +1046,7 @@ def _backward_state_stand_in(has_dht, store_dh0, chained=False):
                 end = own_end + post
                 dS = dht[n, hv].double() if has_dht and exact else torch.zeros(k.shape[-1], do.shape[-1], dtype=torch.float64)
                 for ic in reversed(range(end - c0)):
-                    own = c0 + ic < own_end
+                    own = c0 + ic < own_end and not ds_only
                     t0 = bos + ic * 64
                     m = min(eos - t0, 64)
                     qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
@@ -1037,7 +1056,7 @@ def _backward_state_stand_in(has_dht, store_dh0, chained=False):
                         dh[c0 + ic, hv] = dS.to(dh.dtype)
                     i = torch.arange(m)
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
-                    dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dS.to(dh.dtype).double())
+                    dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dS.to(q.dtype).double())
                     dX = tb.T @ dU
                     if own:
                         du[0, t0:t0 + m, hv], dv[0, t0:t0 + m, hv] = dU.to(du.dtype), dX.to(dv.dtype)
@@ -1190,7 +1209,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
     monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(
         calls, "backward_state_kernel",
-        lambda H, HV, dt, has_dht, store_dh0, bv, chained=False: _backward_state_stand_in(has_dht, store_dh0, chained)))
+        lambda H, HV, dt, has_dht, store_dh0, bv, chained=False, ds_only=False:
+        _backward_state_stand_in(has_dht, store_dh0, chained, ds_only)))
     monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
                                                              lambda H, HV, dt, grads_dt: _grads_in(grads_dt)))
     monkeypatch.setattr(bwd, "backward_fused_kernel", _recorded(
@@ -1266,8 +1286,12 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
                           "segments-chained-mixed-gates": ([[0, 0], [1, 2], [1, 4], [0, 0]],
                                                            [[1, 4], [1, 2], [0, 0], [0, 0]])}.get(case, (None, None))
     assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)]), walks
-    walked = {name for name, args in calls if name in ("state_output_kernel", "backward_state_kernel") and args[-1]}
+    # (the reverse pass's arguments end (..., chained, ds_only); ds_only chained builds are the gated warm-ups)
+    walked = {name for name, args in calls if name == "state_output_kernel" and args[-1]
+              or name == "backward_state_kernel" and args[-2] and not args[-1]}
     assert walked == ({"state_output_kernel", "backward_state_kernel"} if chained else set()), walked
+    warmed = any(name == "backward_state_kernel" and args[-2] and args[-1] for name, args in calls)
+    assert warmed == (segments and not chained and case != "segments-exact"), calls
     launched = {name for name, _ in calls}
     assert ("backward_fused_kernel" in launched) == fused and ("chunk_grads_kernel" in launched) != fused, launched
     _assert_in_family(calls, H, HV, "float16", training=True)

@@ -18,10 +18,10 @@ is large and evenly spread over the programs (faster there, H200 session 18), th
 GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
-dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's), checked
-on the device per (segment, head), and exactly where it left a pair unsettled (the forward's propagator gives
-each segment's transition, a reverse segment scan the dS_ends: _gated_ds_ends); then the reverse pass per
-segment. Chained: the reverse pass per segment walks forward first, as far as the bound needs per head. Where
+dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's; the
+reverse pass walking them in place, storing only the dS_ends), checked on the device per (segment, head), and
+exactly where it left a pair unsettled (the forward's propagator gives each segment's transition, a reverse
+segment scan the dS_ends: _gated_ds_ends); then the reverse pass per segment. Chained: the reverse pass per segment walks forward first, as far as the bound needs per head. Where
 both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
 """
 from __future__ import annotations
@@ -91,13 +91,13 @@ def _jit():
 
 @functools.lru_cache(maxsize=None)
 def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
-                          chained: bool = False):
+                          chained: bool = False, ds_only: bool = False):
     """The reverse pass: backward_state.py at 32 / 64 columns; at 128 backward_state_wide.py, with the same
-    arguments."""
+    arguments. ds_only: only dh0 is stored (the gated route's warm-up and exact passes)."""
     if block_v == 128:
-        return _jit()[2](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained)
+        return _jit()[2](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained, ds_only=ds_only)
     return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
-                     chained=chained)
+                     chained=chained, ds_only=ds_only)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,43 +130,40 @@ def _segments(problem: Problem, s: Saved, dev: torch.device):
     return None
 
 
-def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch, need=None, warm=None):
+def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=None):
     """(dS_end of every segment, the sequences' dh0 or None), exactly: each segment's transition P (the
-    forward's propagator), its dS at the start from a zero dS_end (the reverse pass per segment), then the
-    reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. need ([n_seg, HV] int32) and warm (the gated
-    route): only the pairs need marks get P and F, the scan takes warm's dS_end elsewhere, and dh0 is left to the
-    caller."""
+    forward's propagator), its dS at the start from a zero dS_end (F: the reverse pass per segment storing
+    nothing else, ds_only), then the reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. need ([n_seg, HV]
+    int32) and warm (the gated route): only the pairs need marks get P and F, the scan takes warm's dS_end
+    elsewhere, and dh0 is left to the caller."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
     gate = open_gate(dev, HV) if need is None else need
     aug = torch.empty(n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
     propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
     f = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
-    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
-    backward_state_kernel(H, HV, dt, False, True, _plan_block_v(n_seg, HV, dev))(
-        s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, placeholder, *scratch, f,
-        float(problem.scale), gate, *_no_walks(dev, HV))
+    backward_state_kernel(H, HV, dt, False, True, _ds_only_block_v(n_seg, HV, dev), False, True)(
+        s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, _placeholder(dev, HV, K, V),
+        *_untouched(dev, s.v.dtype), f, float(problem.scale), gate, *_no_walks(dev, HV))
     return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
                                            f=f, need=need, warm=warm)
 
 
-def _reverse_runner(problem: Problem, s: Saved, do):
-    """run(launch, init) for warmup.run_states: the reverse pass over the gathered warm-up chunks, from init;
-    its final dS (at the warm-up's first chunk) is the segment's dS_end."""
-    H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
-    dev = do.device
+def _ds_only_block_v(n_seg: int, HV: int, dev: torch.device) -> int:
+    """The gated route's passes' V tile: all 128 columns where one program per (segment, head) fills the SMs
+    (forward._plan_state_block_v), so that a fixed warm-up of a few chunks takes one wave."""
+    return forward._plan_state_block_v(n_seg, HV, dev, wide=True)
 
-    def run(w, init):
-        qw, kw, aw, dow = s.q[:, w.tokens], s.k[:, w.tokens], s.a[:, w.tokens], do[:, w.tokens]
-        scratch = [torch.empty(1, w.tokens.numel(), HV, V, device=dev, dtype=s.v.dtype) for _ in range(2)]
-        dh_w = torch.empty(w.chunk_rows.numel(), HV, K, V, device=dev, dtype=s.v.dtype)
-        states = torch.empty_like(init)
-        kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], True, True,
-                                       _plan_block_v(len(w.segments), HV, dev))
-        kernel(qw, kw, aw, dow, s.gamma[:, w.chunk_rows].contiguous(), w.cu_seqlens, w.chunk_offsets, init,
-               *scratch, dh_w, states, float(problem.scale), open_gate(dev, HV), *_no_walks(dev, HV))
-        return states
-    return run
+
+def _placeholder(dev: torch.device, HV: int, K: int, V: int) -> torch.Tensor:
+    """A state argument never read."""
+    return torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
+
+
+def _untouched(dev: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """du, dv and dh for a ds_only pass, which declares them (1, 1, 1, 1) and never touches them."""
+    stub = torch.empty(1, 1, 1, 1, device=dev, dtype=dtype)
+    return stub, stub, stub
 
 
 def _no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,14 +172,23 @@ def _no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor
     return walk, bound, bound
 
 
-def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht, scratch) -> torch.Tensor:
+def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht) -> torch.Tensor:
     """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks after
-    each segment (the plan's gated[1]), and the exact route behind it, run only for the (segment, head) pairs
-    whose predecessor that warm-up left outside the bound (warmup.transitions_needed, reverse)."""
+    each segment (plan.reverse_walk), read in place by the reverse pass walking from each segment's end (ds_only,
+    chained: no gather, nothing stored but the dS_ends), and the exact route behind it, run only for the
+    (segment, head) pairs whose predecessor that warm-up left outside the bound (warmup.transitions_needed,
+    reverse)."""
+    H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
+    dev, n_seg, w = do.device, plan.segments.n_seg, plan.walks
     need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
-    warm = warmup.run_states(plan.gated[1], dht, (problem.HV, problem.K, problem.V), do.device,
-                             _reverse_runner(problem, s, do))
-    return _exact_ds_ends(problem, s, plan, do, dht, scratch, need, warm)[0]
+    warm = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
+    walk = plan.reverse_walk[:, None].expand(n_seg, HV).contiguous()
+    kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], dht is not None, True,
+                                   _ds_only_block_v(n_seg, HV, dev), True, True)
+    kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets,
+           _placeholder(dev, HV, K, V) if dht is None else dht.index_select(0, w.seq_of),
+           *_untouched(dev, s.v.dtype), warm, float(problem.scale), open_gate(dev, HV), walk, w.after, w.seq_end)
+    return _exact_ds_ends(problem, s, plan, do, dht, need, warm)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,7 +263,7 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
     HV, V, N = problem.HV, problem.V, problem.N
     dev = do.device
     dt = TORCH_TO_TL[problem.dtype]
-    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
+    placeholder = _placeholder(dev, HV, K, V)
     store_dh0 = s.h0 is not None
 
     # the reverse pass: rows the kernels leave unwritten (past cu_seqlens[-1]) are zero, since the per-chunk
@@ -288,9 +294,9 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
             walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True), w.after, w.seq_end)
             ds_end, dh0 = None if dht is None else dht.index_select(0, w.seq_of), None
         elif route == "gated":
-            ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht, (du, dv, dh)), None
+            ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht), None
         else:
-            ds_end, dh0 = _exact_ds_ends(problem, s, plan, do, dht, (du, dv, dh))
+            ds_end, dh0 = _exact_ds_ends(problem, s, plan, do, dht)
         # dh0 from the pass over segments (each sequence's first segment) where the route gave none
         dh0_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
             if store_dh0 and dh0 is None else None
@@ -345,19 +351,15 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     dv = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=s.v.dtype)
     dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
-    # S0's buffer: the exact route's scratch for dh first (with du, dv for its dU, dV: that reverse pass writes them
-    # only for the pairs the warm-up left unsettled, and the kernel overwrites dv), then S0 from the recompute, then
-    # the kernel's dq / dk as it frees each slot. Where the forward kept S0 (not to be overwritten) a buffer of the
-    # same shape takes the scratch and dq / dk
+    # S0's buffer: S0 from the recompute, then the kernel's dq / dk as it frees each slot. Where the forward kept
+    # S0 (not to be overwritten) a buffer of the same shape takes dq / dk
     buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype) if s.hs is None else \
         torch.empty_like(s.hs)
     seg = forward.wide_segment_chunks(layout, HV, dev)
-    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
+    placeholder = _placeholder(dev, HV, K, V)
     if seg:
         plan = context_parallel.plan_segments(layout, seg)
-        scratch = (torch.empty_like(dv), dv, buf)
-        dinit = _gated_ds_ends(problem, s, plan, do, dht, scratch)
-        del scratch
+        dinit = _gated_ds_ends(problem, s, plan, do, dht)
         cu_run, offsets, n_run = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg
     else:
         plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N

@@ -23,6 +23,12 @@ as many as the decay bound needs (warmup.walk_lengths, reverse), from a zero dS,
 the walk reaches the sequence's end (walk == after[n]: exact; the walk then ends at seq_end[n], a tail chunk
 included) -- as the forward's state pass walks back (state_output_ws.py). dht is per segment: its sequence's.
 
+ds_only (the gated route's passes, backward.py): nothing is stored but dh0, the dS at the run's start; du, dv
+and dh are never touched (any tensors of shape (1, 1, 1, 1)). Unchained: the reverse pass over the program's
+segment from zero (the exact route's F). Chained: the run is the walk alone, from the segment's end (no own
+chunks): its dh0 is the segment's dS_end from a warm-up over the walked chunks after it, read in place (the
+fixed warm-up's walks, or the chained route's).
+
 Rows past a sequence's end: the side warpgroup zeroes them in all three hand-over tiles, so dU's rows there
 are zero; Tb's rows there still reach dX through Tb^T dU (times zero), which is why the forward writes Tb
 with zeros past cu_seqlens[-1] (an unwritten row could hold NaN).
@@ -40,9 +46,9 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bool = False,
                            store_dh0: bool = False, block_v: int = 64, stages: int = 2, chained: bool = False,
-                           K: int = 128, V: int = 128):
+                           ds_only: bool = False, K: int = 128, V: int = 128):
     """chained: `walk` [num_walk >= num_seqs, HV], `after` and `seq_end` [num_walk] int32 are read (module
-    docstring); otherwise they are placeholders the kernel never touches."""
+    docstring); otherwise they are placeholders the kernel never touches. ds_only: the module docstring."""
     C = CHUNK
     BV = block_v
     NV = V // BV
@@ -57,6 +63,8 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
     num_dh0 = T.dynamic("num_dh0")
     num_gates = T.dynamic("num_gates")
     num_walk = T.dynamic("num_walk")
+    GRAD_SHAPE = (1, 1, 1, 1) if ds_only else (1, num_tokens, HV, V)
+    DH_SHAPE = (1, 1, 1, 1) if ds_only else (num_chunks, HV, K, V)
 
     @T.prim_func
     def gdn_backward_state(
@@ -68,9 +76,9 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         dht: T.Tensor((num_dht, HV, K, V), accum),
-        du: T.Tensor((1, num_tokens, HV, V), dtype),
-        dv: T.Tensor((1, num_tokens, HV, V), dtype),
-        dh: T.Tensor((num_chunks, HV, K, V), dtype),
+        du: T.Tensor(GRAD_SHAPE, dtype),
+        dv: T.Tensor(GRAD_SHAPE, dtype),
+        dh: T.Tensor(DH_SHAPE, dtype),
         dh0: T.Tensor((num_dh0, HV, K, V), accum),
         scale: T.float32,
         gate: T.Tensor((num_gates, HV), "int32"),   # 0: nothing to do (the gated route's flags, backward.py)
@@ -82,6 +90,8 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
             hk = hv // GROUP
             v0 = bv * BV
             bos, eos_own, n_own, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
+            if chained and ds_only:   # the walk alone, from the segment's end
+                bos, n_own, c0 = eos_own, 0, chunk_offsets[n + 1]
             # the run, walked from its last chunk back: the program's own n_own chunks, after `post` chunks walked
             # (chained; all whole but a sequence's tail, reached only by an exact walk), ending at token eos
             if chained:
@@ -154,14 +164,14 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                         T.barrier_wait(side_ready[h], (i // 2) % 2)
                         T.copy(dS, ds_s)
                         T.fence_proxy_async()
-                        if i >= post:  # the program's own chunks: the walk's are another program's to store
+                        if not ds_only and i >= post:  # own chunks: the walk's are another program's to store
                             T.copy(ds_s, dh[c0 + ci, hv, 0:K, v0:v0 + BV])                          # dS_end of the chunk
                         T.wgmma_gemm(p_s[h, :, :], do_s[s, :, :], acc, transpose_A=True, clear_accum=True)   # P^T dO
                         T.wgmma_gemm(ek_s[h, :, :], ds_s, acc)                                   # + diag(e) K dS
                         T.wait_wgmma(0)
                         T.copy(acc, du_s)
                         T.fence_proxy_async()
-                        if i >= post:
+                        if not ds_only and i >= post:
                             if n_valid == C:
                                 T.copy(du_s, du[0, t0:t0 + C, hv, v0:v0 + BV])
                             else:
@@ -183,7 +193,7 @@ def backward_state_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bo
                         T.wait_wgmma(0)
                         T.barrier_arrive(side_free[h])
                         T.barrier_arrive(freed[s])
-                        if i >= post:
+                        if not ds_only and i >= post:
                             for r, j in T.Parallel(C, BV):
                                 if r < n_valid:
                                     dv[0, t0 + r, hv, v0 + j] = acc[r, j]

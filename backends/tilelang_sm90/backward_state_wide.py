@@ -40,7 +40,8 @@ Barriers (stage s = i % STAGES; one-slot tiles have parity i % 2, flipped for "f
 
 chained: as backward_state.py's chained build, the run is the program's own chunks followed by `post` walked
 chunks after them (walk[n, hv]), taken from the last back: from the sequence's dht where the walk reaches its
-end (walk == after[n]), else from zero; the walk's chunks store nothing. `gate` as backward_state.py's.
+end (walk == after[n]), else from zero; the walk's chunks store nothing. `gate` and ds_only as backward_state.py's
+(ds_only: no dX either, which only dV needs).
 """
 import tilelang
 import tilelang.language as T
@@ -55,7 +56,8 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 
 
 def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dht: bool = False,
-                                store_dh0: bool = False, chained: bool = False, K: int = 128, V: int = 128):
+                                store_dh0: bool = False, chained: bool = False, ds_only: bool = False,
+                                K: int = 128, V: int = 128):
     """The TileLang prim_func, with backward_state.py's arguments (block_v is all of V)."""
     C = CHUNK
     accum = "float32"
@@ -69,6 +71,8 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
     num_dh0 = T.dynamic("num_dh0")
     num_gates = T.dynamic("num_gates")
     num_walk = T.dynamic("num_walk")
+    GRAD_SHAPE = (1, 1, 1, 1) if ds_only else (1, num_tokens, HV, V)
+    DH_SHAPE = (1, 1, 1, 1) if ds_only else (num_chunks, HV, K, V)
 
     @T.macro
     def load(q, k, a, do, gamma, q_s, k_s, a_s, do_s, g_s, loaded, bos, c0, n_chunks, hk, hv, i, s):
@@ -102,9 +106,9 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
         cu_seqlens: T.Tensor((num_seqs + 1,), "int32"),
         chunk_offsets: T.Tensor((num_seqs + 1,), "int32"),
         dht: T.Tensor((num_dht, HV, K, V), accum),
-        du: T.Tensor((1, num_tokens, HV, V), dtype),
-        dv: T.Tensor((1, num_tokens, HV, V), dtype),
-        dh: T.Tensor((num_chunks, HV, K, V), dtype),
+        du: T.Tensor(GRAD_SHAPE, dtype),
+        dv: T.Tensor(GRAD_SHAPE, dtype),
+        dh: T.Tensor(DH_SHAPE, dtype),
         dh0: T.Tensor((num_dh0, HV, K, V), accum),
         scale: T.float32,
         gate: T.Tensor((num_gates, HV), "int32"),
@@ -115,6 +119,8 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
         with T.Kernel(HV, num_seqs, threads=THREADS) as (hv, n):
             hk = hv // GROUP
             bos, eos_own, n_own, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
+            if chained and ds_only:   # the walk alone, from the segment's end
+                bos, n_own, c0 = eos_own, 0, chunk_offsets[n + 1]
             if chained:
                 post = walk[n, hv]
                 exact = post == after[n]   # the walk reaches the sequence's end: from dht
@@ -238,21 +244,22 @@ def backward_state_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_dh
                         T.barrier_arrive(w_ready)
                         # dh: dS_end's TMA store from the owner's hand-over tile
                         T.barrier_wait(ds_ready, i % 2)
-                        if i >= post:  # the program's own chunks: the walk's are another program's to store
+                        if not ds_only and i >= post:  # own chunks: the walk's are another program's to store
                             T.copy(ds_s, dh[c0 + ci, hv, 0:K, 0:V])
                         T.barrier_arrive(ds_free)
                         # dX = Tb^T dU (dV) into -W's accumulator, dead since its store; Tb is the last stage tile
                         # the side reads, so the stage is released and the next load issued before the dU and dV
                         # stores
                         T.barrier_wait(du_ready, i % 2)
-                        T.wgmma_gemm(a_s[s, :, :], du_s, acc_w, transpose_A=True, clear_accum=True)
-                        T.wait_wgmma(0)
+                        if not ds_only:
+                            T.wgmma_gemm(a_s[s, :, :], du_s, acc_w, transpose_A=True, clear_accum=True)
+                            T.wait_wgmma(0)
                         T.barrier_arrive(freed[s])
                         T.barrier_wait(freed[s], (i // STAGES) % 2)
                         if i + STAGES < n_chunks:
                             load(q, k, a, do, gamma, q_s, k_s, a_s, do_s, g_s, loaded, bos, c0, n_chunks,
                                  hk, hv, i + STAGES, s)
-                        if i >= post:
+                        if not ds_only and i >= post:
                             if n_valid == C:
                                 T.copy(du_s, du[0, t0:t0 + C, hv, 0:V])
                                 T.copy(acc_w, dv_s)

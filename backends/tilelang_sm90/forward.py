@@ -141,7 +141,7 @@ def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem,
         init = None if h0 is None else h0.index_select(0, plan.walks.seq_of)
         return init, "chained", (walk, plan.walks.before)
     if context_parallel.WARMUP_ROUTE:
-        warm = warmup.run_states(plan.gated[0], h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
+        warm = warmup.run_states(plan.gated, h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
         need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window)
         if intermediates is not None:
             intermediates.update(transitions_needed=need)

@@ -35,8 +35,8 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
     propagator), and with `training` the intra kernel that also writes T, the state pass that stores S0 (without
     output: the backward's recompute; with it: the forward with KEEP_STATES), and the backward's: `staged` the
-    reverse pass and the per-chunk gradients, `fused` the fused kernel and the unchained reverse pass its
-    segments' gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
+    reverse pass and the per-chunk gradients, `fused` the fused kernel and the reverse passes its segments'
+    gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
     from .forward import WS_BLOCK_V
@@ -57,9 +57,13 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
                  for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags)]  # recompute
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES
                  for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
-        chains = flags if backward != "fused" else (False,)   # the fused path's segments walk no chain
-        jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained))
-                 for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), chains)]
+        if backward != "fused":
+            jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained, False))
+                     for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]
+        # the gated route's passes (both paths' segments): its exact pass per segment and its fixed warm-up, walked
+        # from each segment's end from zero or dht, each storing only its dS (ds_only)
+        jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, True, bv, chained, True))
+                 for dht, bv, chained in itertools.product(flags, WS_BLOCK_V + (128,), flags) if chained or not dht]
         if backward != "fused":
             # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
             jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]

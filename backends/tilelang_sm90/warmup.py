@@ -8,7 +8,7 @@ those m chunks from a zero state gives the segment's S0 to within e^LOG_BOUND of
 (e^-12 ~ 6e-6, where bf16 rounding is 4e-3). A warm-up that reaches back to its sequence's start is exact (it
 starts from the sequence's initial state).
 
-The warm-up runs the forward's own state kernel on the gathered warm-up chunks, a fixed few per segment
+The forward's warm-up runs its own state kernel on the gathered warm-up chunks, a fixed few per segment
 (fixed_warmup: FIRST_WINDOW chunks, or half a segment where that is less), so it costs a gather and a short
 launch, where the exact route (propagator.py + the segment scan) costs ~1.3 output passes. Whether it settled
 each (segment, head) is decided on the device (transitions_needed), and the exact kernels run behind it for the
@@ -18,7 +18,8 @@ so CUDA graphs capture every route.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
-reverse-pass kernel from zero (from dht where it reaches the sequence's end).
+reverse-pass kernel from zero (from dht where it reaches the sequence's end): fixed_walks' chunks, walked in
+place from each segment's end (no gather).
 """
 from __future__ import annotations
 
@@ -49,14 +50,13 @@ class WarmupTables:
     ends_host: tuple[int, ...]
     seq_ends_host: tuple[int, ...]
     chunk_rows_host: tuple[int, ...]  # each segment's first row of the chunk table (and of gamma)
-    end_rows_host: tuple[int, ...]    # the row of the chunk after it
     # what the walks' search reads (warmup_bound.walk_lengths): each chunk-table row's tokens, whether a walk can
     # reach it (before its sequence's last segment; after its first with reverse), and each segment's rows
     row_starts: torch.Tensor          # [n_rows] int64 device: the row's first token
     row_ends: torch.Tensor            # [n_rows] int64 device: the token after its last
     walked: torch.Tensor              # [2, n_rows] int8 device: [0] forward walks reach it, [1] reverse ones
     chunk_rows: torch.Tensor          # [n_seg] int64 device: chunk_rows_host
-    end_rows: torch.Tensor            # [n_seg] int64 device: end_rows_host
+    end_rows: torch.Tensor            # [n_seg] int64 device: the row of the chunk after each segment
 
 
 def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int], seq_starts: list[int],
@@ -80,37 +80,35 @@ def tables(seg_cu: list[int], seg_offsets: list[int], seg_chunk_rows: list[int],
     as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return WarmupTables(as_dev(starts), as_dev(ends), as_dev(seq_ends), as_dev(before), as_dev(after),
                         tuple(seq_of), tuple(before), tuple(after), tuple(starts), tuple(ends), tuple(seq_ends),
-                        tuple(seg_chunk_rows), tuple(end_rows), as_dev(row_starts), as_dev(row_ends),
+                        tuple(seg_chunk_rows), as_dev(row_starts), as_dev(row_ends),
                         walked.to(device), as_dev(seg_chunk_rows), as_dev(end_rows))
 
 
 @dataclasses.dataclass(frozen=True)
 class WarmupLaunch:
-    """The gathered warm-up chunks as a packed problem of its own, one pseudo-sequence per segment with m > 0."""
+    """The forward's gathered warm-up chunks as a packed problem of its own, one pseudo-sequence per segment with
+    m > 0."""
     segments: tuple[int, ...]   # the segments it serves, in order
     tokens: torch.Tensor        # [n_tokens] int64: gather index into the packed tokens
     chunk_rows: torch.Tensor    # [n_chunks] int64: gather index into gamma's chunk rows
     cu_seqlens: torch.Tensor    # [n + 1] int32
     chunk_offsets: torch.Tensor  # [n + 1] int32
-    exact: tuple[bool, ...]     # reaches its sequence's start (end): starts from h0 (dht)
+    exact: tuple[bool, ...]     # reaches its sequence's start: starts from h0
 
 
-def launch(t: WarmupTables, m: list[int], device: torch.device, reverse: bool = False) -> WarmupLaunch:
+def launch(t: WarmupTables, m: list[int], device: torch.device) -> WarmupLaunch:
     segs = tuple(j for j, mj in enumerate(m) if mj > 0)
     tokens, rows, cu, co = [], [], [0], [0]
     for j in segs:
-        if reverse:
-            first, last, row = t.ends_host[j], min(t.ends_host[j] + CHUNK * m[j], t.seq_ends_host[j]), t.end_rows_host[j]
-        else:
-            first, last, row = t.starts_host[j] - CHUNK * m[j], t.starts_host[j], t.chunk_rows_host[j] - m[j]
+        first, last, row = t.starts_host[j] - CHUNK * m[j], t.starts_host[j], t.chunk_rows_host[j] - m[j]
         tokens.append(torch.arange(first, last))
         rows.append(torch.arange(row, row + m[j]))
         cu.append(cu[-1] + last - first)
         co.append(co[-1] + m[j])
     cat = lambda xs: (torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)).to(device)  # noqa: E731
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    avail = t.after_host if reverse else t.before_host
-    return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co), tuple(m[j] == avail[j] for j in segs))
+    return WarmupLaunch(segs, cat(tokens), cat(rows), as_i32(cu), as_i32(co),
+                        tuple(m[j] == t.before_host[j] for j in segs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +117,14 @@ class WarmupRun:
     launch: WarmupLaunch
     m: tuple[int, ...]          # warm-up chunks per segment
     rows: torch.Tensor          # [len(launch.segments)] int64: the segments the launch serves
-    ends: torch.Tensor          # int64: segments without a warm-up (a sequence's first; last with reverse)
+    ends: torch.Tensor          # int64: segments without a warm-up (a sequence's first)
     ends_seq: torch.Tensor      # int64: their sequences
-    exact: torch.Tensor         # int64: rows of the launch whose warm-up reaches the sequence's boundary
+    exact: torch.Tensor         # int64: rows of the launch whose warm-up reaches the sequence's start
     exact_seq: torch.Tensor     # int64: their sequences
 
 
-def warmup_run(t: WarmupTables, m: list[int] | tuple[int, ...], device: torch.device,
-               reverse: bool = False) -> WarmupRun:
-    w = launch(t, list(m), device, reverse)
+def warmup_run(t: WarmupTables, m: list[int] | tuple[int, ...], device: torch.device) -> WarmupRun:
+    w = launch(t, list(m), device)
     ends = [j for j, mj in enumerate(m) if mj == 0]
     exact = [i for i, e in enumerate(w.exact) if e]
     as_dev = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
@@ -141,20 +138,26 @@ def window(segment_chunks: int) -> int:
     return min(segment_chunks // 2, FIRST_WINDOW)
 
 
-def fixed_warmup(t: WarmupTables, window: int, device: torch.device, reverse: bool = False) -> WarmupRun:
-    """The warm-up: min(window, available) chunks for every segment, known from the host tables alone, so its
-    launch is built with the segment plan (context_parallel.plan_segments, both directions) and a call, captured
-    or not, reads nothing back. Whether it settled each (segment, head) is decided on the device
+def fixed_warmup(t: WarmupTables, window: int, device: torch.device) -> WarmupRun:
+    """The forward's warm-up: min(window, available) chunks before every segment, known from the host tables
+    alone, so its launch is built with the segment plan (context_parallel.plan_segments) and a call, captured or
+    not, reads nothing back. Whether it settled each (segment, head) is decided on the device
     (transitions_needed); the route covers the pairs it did not."""
-    avail = t.after_host if reverse else t.before_host
-    return warmup_run(t, tuple(min(window, a) for a in avail), device, reverse)
+    return warmup_run(t, tuple(min(window, a) for a in t.before_host), device)
+
+
+def fixed_walks(t: WarmupTables, window: int) -> tuple[int, ...]:
+    """The backward's warm-up: min(window, available) chunks after every segment, as the walks of the reverse
+    pass that reads them in place from each segment's end (backward._gated_ds_ends). Known from the host tables
+    alone, as fixed_warmup's."""
+    return tuple(min(window, a) for a in t.after_host)
 
 
 def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
                        reverse: bool = False) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because fixed_warmup(t, window)
-    leaves, for that head, the segment it hands its state to (the next one; the previous one with reverse)
-    outside the bound; 0 elsewhere (the gated route's flags: context_parallel.py)."""
+    """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because the fixed warm-up of
+    `window` chunks (fixed_warmup; fixed_walks with reverse) leaves, for that head, the segment it hands its
+    state to (the next one; the previous one with reverse) outside the bound; 0 elsewhere (the gated route's flags: context_parallel.py)."""
     from .warmup_bound import transitions_needed as flags
     return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
 
@@ -172,10 +175,10 @@ def walk_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.
 
 def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,
                run) -> torch.Tensor:
-    """Every segment's state at its warm-up end [n_seg, HV, K, V] fp32 -- the forward's initial states (the
-    backward's dS_end with reverse): a sequence's first (last) segment gets the sequence's boundary state
-    (h0; dht with reverse; zero where None); the others `run(launch, init)` over their warm-up chunks, from
-    zero, or from the boundary state where the warm-up reaches the sequence's start (end)."""
+    """Every segment's state at its warm-up end [n_seg, HV, K, V] fp32 -- the forward's initial states: a
+    sequence's first segment gets the sequence's boundary state (h0; zero where None); the others `run(launch,
+    init)` over their warm-up chunks, from zero, or from the boundary state where the warm-up reaches the
+    sequence's start."""
     out = torch.zeros(len(wr.m), *shape, device=device, dtype=torch.float32)
     if boundary is not None and wr.ends.numel():
         out.index_copy_(0, wr.ends, boundary.index_select(0, wr.ends_seq))
