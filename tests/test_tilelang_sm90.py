@@ -1197,6 +1197,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
     real_needed = bwd.warmup.transitions_needed
     monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False: flags.append(
         (reverse, real_needed(*a, reverse=reverse).tolist())) or real_needed(*a, reverse=reverse))
+    real_reverse = bwd.warmup.reverse_warmup   # the backward's: its walks and the same flags
+    monkeypatch.setattr(bwd.warmup, "reverse_warmup", lambda *a: (
+        lambda walk_need: flags.append((True, walk_need[1].tolist())) or walk_need)(real_reverse(*a)))
     walks = []   # the chained routes' walks: (chunks per segment and head, reverse)
     real_walks = bwd.warmup.walk_lengths
     monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, row_sums=None: walks.append(

@@ -186,9 +186,11 @@ def _run_back(D, k, F, g, beta, hi, lo):
        rates=st.lists(st.sampled_from([1e-4, 0.05, 0.2, 1.0]), min_size=2, max_size=2),
        beta_max=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
 def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_max, seed):
-    """The backward's fixed warm-up: each segment's dS_end from min(window, available) chunks after it (the
-    walks the reverse pass takes from the segment's end, fixed_walks), run from zero (from dht where they reach
-    the sequence's end), within the bound of the true one wherever the reverse flags leave it settled."""
+    """The backward's warm-up (warmup.reverse_warmup): each segment's dS_end from the fewest of min(window,
+    available) chunks after it whose bound is <= LOG_BOUND (all of them where none is; the walk the reverse pass
+    takes from the segment's end), run from zero (from dht where they reach the sequence's end), within the bound
+    of the true one wherever the flags of the same search leave it settled; the flags are
+    transitions_needed's."""
     gen = torch.Generator().manual_seed(seed)
     H, HV, Kd, Vd = 1, 2, 8, 4
     T = n_chunks * CHUNK - 5
@@ -201,17 +203,21 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_m
     bounds = [s * CHUNK for s in starts] + [T]
     t = warmup.tables(bounds, [0, len(starts)], starts, [0, T], torch.device("cpu"))
     log_b = _log_norm_bound(g, k, beta)
-    walks = warmup.fixed_walks(t, window)
-    need = warmup.transitions_needed(t, g, k, beta, window, reverse=True)
-    assert walks[-1] == 0                         # the last segment's dS_end is dht itself
+    walks, need = warmup.reverse_warmup(t, g, k, beta, window)
+    assert torch.equal(need, warmup.transitions_needed(t, g, k, beta, window, reverse=True))
+    assert walks[-1].tolist() == [0] * HV         # the last segment's dS_end is dht itself
     for j in range(len(starts) - 1):
-        e, m = bounds[j + 1], walks[j]
-        x = min(e + CHUNK * m, T)
-        exact = m == t.after_host[j]
-        assert m == min(window, -(-(T - e) // CHUNK))
-        if m == 0:
-            continue
+        e, avail = bounds[j + 1], t.after_host[j]
         for hv in range(HV):
+            m = int(walks[j, hv])
+            x = min(e + CHUNK * m, T)
+            exact = m == avail
+            # the fewest chunks of the window that settle the head, else the whole window
+            sums = [float(log_b[e:min(e + CHUNK * i, T), hv].sum()) for i in range(1, min(window, avail) + 1)]
+            settling = [i + 1 for i, s_i in enumerate(sums) if s_i <= warmup.LOG_BOUND]
+            assert m == (settling[0] if settling else min(window, avail)), (j, hv, m, sums)
+            if m == 0:
+                continue
             if need[j + 1, hv]:                   # flagged: the warm-up falls short, by the bound
                 assert not exact and float(log_b[e:x, hv].sum()) > warmup.LOG_BOUND
                 continue

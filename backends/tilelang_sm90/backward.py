@@ -173,16 +173,15 @@ def _no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht) -> torch.Tensor:
-    """dS_end of every segment, graph-safe: the reverse warm-up over a fixed min(window, available) chunks after
-    each segment (plan.reverse_walk), read in place by the reverse pass walking from each segment's end (ds_only,
-    chained: no gather, nothing stored but the dS_ends), and the exact route behind it, run only for the
-    (segment, head) pairs whose predecessor that warm-up left outside the bound (warmup.transitions_needed,
-    reverse)."""
+    """dS_end of every segment, graph-safe: the reverse warm-up over the fewest of min(window, available) chunks
+    after each segment that settle each head (warmup.reverse_warmup), read in place by the reverse pass walking
+    from each segment's end (ds_only, chained: no gather, nothing stored but the dS_ends), and the exact route
+    behind it, run only for the (segment, head) pairs whose predecessor the window left outside the bound (the
+    same search's flags)."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, n_seg, w = do.device, plan.segments.n_seg, plan.walks
-    need = warmup.transitions_needed(plan.warmup, s.g, s.k, s.beta, plan.window, reverse=True)
+    walk, need = warmup.reverse_warmup(plan.warmup, s.g, s.k, s.beta, plan.window)
     warm = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
-    walk = plan.reverse_walk[:, None].expand(n_seg, HV).contiguous()
     kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], dht is not None, True,
                                    _ds_only_block_v(n_seg, HV, dev), True, True)
     kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets,

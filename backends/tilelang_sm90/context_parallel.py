@@ -228,7 +228,6 @@ class SegmentPlan:
     warmup: warmup.WarmupTables      # what the warm-up routes need (warmup.py)
     window: int                      # the gated route's warm-up length in chunks (warmup.window)
     gated: warmup.WarmupRun          # the forward's gated warm-up launch (gathered chunks before each segment)
-    reverse_walk: torch.Tensor       # [n_seg] int32: the backward's, as walks after each segment (fixed_walks)
     walks: Walks                     # the chained route's segment tables
     own: torch.Tensor                # [n_seg] int32: each segment's own chunks
 
@@ -243,14 +242,14 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
                                torch.tensor([layout.n_chunks], dtype=torch.int32, device=dev)])
     tables = warmup.tables(segments.cu_seqlens.tolist(), segments.seg_offsets.tolist(),
                            segments.chunk_offsets.tolist(), list(layout.offsets), dev)
-    # the gated route's warm-ups for both directions, built here so that no call builds (copies) anything later,
-    # not even a training call captured after an inference-only first call
+    # the forward's gated warm-up, built here so that no call builds (copies) anything later, not even a training
+    # call captured after an inference-only first call (the backward's walks its chunks in place: no launch table)
     window = warmup.window(seg)
+    gated = warmup.fixed_warmup(tables, window, dev)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
-    gated, reverse_walk = warmup.fixed_warmup(tables, window, dev), i32(warmup.fixed_walks(tables, window))
     walks = Walks(i32(tables.before_host), i32(tables.after_host), i32(tables.seq_ends_host),
                   torch.tensor(tables.seq_of, dtype=torch.int64, device=dev))
-    return SegmentPlan(segments, chunk_offsets, tables, window, gated, reverse_walk, walks, chunk_offsets.diff())
+    return SegmentPlan(segments, chunk_offsets, tables, window, gated, walks, chunk_offsets.diff())
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,

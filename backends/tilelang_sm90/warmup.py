@@ -18,8 +18,8 @@ so CUDA graphs capture every route.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
-reverse-pass kernel from zero (from dht where it reaches the sequence's end): fixed_walks' chunks, walked in
-place from each segment's end (no gather).
+reverse-pass kernel from zero (from dht where it reaches the sequence's end), walked in place from each
+segment's end (no gather), as few of the window's chunks as settle each head (reverse_warmup).
 """
 from __future__ import annotations
 
@@ -146,20 +146,26 @@ def fixed_warmup(t: WarmupTables, window: int, device: torch.device) -> WarmupRu
     return warmup_run(t, tuple(min(window, a) for a in t.before_host), device)
 
 
-def fixed_walks(t: WarmupTables, window: int) -> tuple[int, ...]:
-    """The backward's warm-up: min(window, available) chunks after every segment, as the walks of the reverse
-    pass that reads them in place from each segment's end (backward._gated_ds_ends). Known from the host tables
-    alone, as fixed_warmup's."""
-    return tuple(min(window, a) for a in t.after_host)
-
-
 def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
                        reverse: bool = False) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because the fixed warm-up of
-    `window` chunks (fixed_warmup; fixed_walks with reverse) leaves, for that head, the segment it hands its
-    state to (the next one; the previous one with reverse) outside the bound; 0 elsewhere (the gated route's flags: context_parallel.py)."""
+    """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because the warm-up of
+    min(window, available) chunks (fixed_warmup; reverse_warmup's window with reverse) leaves, for that head, the
+    segment it hands its state to (the next one; the previous one with reverse) outside the bound; 0 elsewhere
+    (the gated route's flags: context_parallel.py)."""
     from .warmup_bound import transitions_needed as flags
     return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
+
+
+def reverse_warmup(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(walk, need), [n_seg, HV] int32 on the device, in one search: the backward's warm-up per segment and value
+    head -- the fewest of the min(window, available) chunks after the segment whose bound is <= LOG_BOUND, all of
+    them where none is (the reverse pass walks them in place from the segment's end, backward._gated_ds_ends) --
+    and transitions_needed(..., reverse=True)'s flags for the pairs the window leaves unsettled."""
+    from .warmup_bound import transitions_needed as flags
+    walk = torch.empty(t.starts.shape[0], g.shape[2], dtype=torch.int32, device=g.device)
+    need = flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, True, LOG_BOUND, walk)
+    return walk, need
 
 
 def walk_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,

@@ -1,7 +1,7 @@
 """The decay bound's tests on the device (warmup.py says why the bound suffices), each in two Triton launches:
 warmup.transitions_needed, per (segment, value head) whether a warm-up of fixed length (warmup.fixed_warmup)
 brings the summed norm bound below LOG_BOUND, and the flag of the segment whose transition is needed where it
-does not; warmup.walk_lengths, per (segment, value head) the fewest chunks next to the segment that do, or all of
+does not (warmup.reverse_warmup: also the fewest of those chunks that do); warmup.walk_lengths, per (segment, value head) the fewest chunks next to the segment that do, or all of
 them to the sequence's boundary (the chained route's walks).
 
     1. chunk sums: the bound's log summed per chunk and value head (float64), each program one chunk's 64 tokens
@@ -85,20 +85,27 @@ def _row_bounds_kernel(g, k, beta, row_starts, row_ends, walked, sums, n_tok, H:
 
 
 @triton.jit
-def _needs_kernel(sums, before, after, need, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
-                  REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr):
+def _needs_kernel(sums, before, after, need, walk, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
+                  REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr, WALK: tl.constexpr):
     """Segment j's warm-up of exactly m = min(window, chunks available) chunks, per value head: settled if it
     reaches the sequence's start (end) or its summed bound is <= LOG_BOUND. Where a head is not settled, the
     exact route needs the transition of the segment that hands segment j its state -- the one before it (after
-    it with REVERSE) -- so need[that segment, head] = 1; else 0. sums: [n_seg, stride, HV]."""
+    it with REVERSE) -- so need[that segment, head] = 1; else 0. sums: [n_seg, stride, HV]. WALK: also
+    walk[j, hv], the first count of those m chunks (nearest first) whose summed bound is <= LOG_BOUND, else m: a
+    walk that long settles the pair wherever the flag says the m chunks do (the same sum, or a shorter one)."""
     j = tl.program_id(0).to(tl.int64)
     hv = tl.arange(0, HVP)
     mh = hv < HV
     avail = tl.load(after + j) if REVERSE else tl.load(before + j)
     m = tl.minimum(avail, window)
     total = tl.zeros([HVP], dtype=tl.float64)
+    first = tl.zeros([HVP], dtype=tl.int32) + m
     for i in range(0, m):
         total += tl.load(sums + (j * stride + i) * HV + hv, mask=mh, other=0.0)
+        if WALK:
+            first = tl.where((first == m) & (total <= LOG_BOUND), i + 1, first)
+    if WALK:
+        tl.store(walk + j * HV + hv, first, mask=mh)
     unsettled = (m < avail) & (total > LOG_BOUND)
     src = j + 1 if REVERSE else j - 1       # in j's sequence wherever avail > 0
     has_src = (hv * 0 + avail) > 0          # as a [HVP] mask: a scalar one is not a mask the interpreter takes
@@ -147,16 +154,18 @@ def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse:
 
 def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
                        after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
-                       reverse: bool, log_bound: float) -> torch.Tensor:
+                       reverse: bool, log_bound: float, walk: torch.Tensor | None = None) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a (segment, head)'s transition is needed because a warm-up of
     min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the bound
-    (warmup.transitions_needed's test, read by the gated route's exact kernels; nothing is read back)."""
+    (warmup.transitions_needed's test, read by the gated route's exact kernels; nothing is read back). walk
+    ([n_seg, HV] int32): also the fewest of those chunks that settle each pair (_needs_kernel), written there."""
     n_seg, HV = starts.shape[0], g.shape[2]
     need = torch.zeros(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
         sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
-        _needs_kernel[(n_seg,)](sums, before, after, need, window, sums.shape[1], HV=HV,
-                                HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound, num_warps=1)
+        _needs_kernel[(n_seg,)](sums, before, after, need, need if walk is None else walk, window, sums.shape[1],
+                                HV=HV, HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound,
+                                WALK=walk is not None, num_warps=1)
     return need
 
 
