@@ -309,8 +309,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
 def test_fused_backward_rule_and_its_switch(monkeypatch):
     """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
     FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
-    longer than the SMs' even share; the staged one elsewhere (points of session 18's measurement, each on the
-    side that measured faster). GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one; any other value fails at import
+    longer than the SMs' even share; the staged one elsewhere (points of sessions 18 and 22's measurements, each
+    on the side that measured faster). GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one; any other value fails at import
     with the variable named."""
     import itertools
     import os
@@ -332,7 +332,10 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     cpu = torch.device("cpu")
     assert bwd.fused_pays(saved(8192), 32, cpu)                              # 16/32: 1.18x the staged path
     assert bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 8, cpu)  # 4/8: 1.02x
-    assert not bwd.fused_pays(saved(8192), 8, cpu)                           # 4/8: too little work (0.85x)
+    assert bwd.fused_pays(saved(8192), 8, cpu)                               # 4/8: 1.09x (session 22)
+    assert bwd.fused_pays(saved(32768), 4, cpu)                              # 2/4: 1.18x
+    assert not bwd.fused_pays(saved(5239, 2953), 4, cpu)                     # 2/4: too little work (0.94x)
+    assert not bwd.fused_pays(saved(205, 708, 916, 178, 247, 2985, 836, 2117), 8, cpu)  # 4/8: one long (0.62x)
     assert not bwd.fused_pays(saved(205, 708, 4326, 2953), 32, cpu)          # 16/32: one long program (0.91x)
     assert not bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 16, cpu)   # 8/16: 0.81x
     for forced in (True, False):

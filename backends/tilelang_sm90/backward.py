@@ -55,8 +55,11 @@ FUSED = _FUSED_SETTINGS[_fused_env]
 # program (a sequence, or a segment of the wide route's cut) at most FUSED_MAX_IMBALANCE times the SMs' even
 # share of the work (the fused kernel walks each program's chunks in series; the staged path's per-chunk kernel
 # runs every chunk at once, so one long sequence among short ones keeps only the fused kernel waiting). It picked
-# the faster path at 29 of the 32 points, the other three within 2%.
-FUSED_MIN_WORK = 4096
+# the faster path at 29 of the 32 points, the other three within 2%. Session 22 cut the fused path's segment
+# fix-ups from ~0.08 to ~0.03 ms and measured the 18 points under 4096 and at it again: the fused path now wins
+# from 1024 (4/8 at 8192 tokens 1.05-1.09x, 8/16 1.22-1.25x, 2/4 at 32768 1.16-1.20x where the imbalance rule
+# lets it; 2/4 at 8192, 512-532, 0.89-0.96x but for one 1.12x): 17 of the 18 picked right.
+FUSED_MIN_WORK = 1024
 FUSED_MAX_IMBALANCE = 1.6
 
 
