@@ -30,9 +30,9 @@ FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "d
 INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
               # the wide route's pick (warmup_bound._pick_kernel): int32 segment tables and cu_seqlens
               "own", "seg_cu", "cu", "wide_cu", "wide_walk", "plain_cu"}
-# tilelang_sm90's warm-up flags (warmup_bound.py): int64 segment and row tables, int8 row flags, float64 sums, int
-# scalars
-INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base"}
+# tilelang_sm90's warm-up flags (warmup_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
+# row flags, float64 sums, int scalars
+INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
 INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu"}
 FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
@@ -52,10 +52,9 @@ KERNELS = {
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("context_parallel", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
-                          REVERSE=False, GATED=False, f=None, need=None, warm=None)),  # None: as launched
-    "segment_scan_gated": ("context_parallel", "segment_scan_kernel",
-                           dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=False,
-                                STATE_V_FIRST=False, REVERSE=True, GATED=True)),
+                          REVERSE=False, f=None)),  # None: as launched
+    "segment_states_gated": ("context_parallel", "gated_segment_states_kernel",
+                             dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, REVERSE=True)),
     # tilelang_sm90's warm-up flags run in Triton too (warmup_bound.py), at a grouped head count
     "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
@@ -64,7 +63,7 @@ KERNELS = {
     "warmup_walks": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_walks_kernel",
                      dict(HV=8, HVP=8, BM=64, REVERSE=True, LOG_BOUND=-12.0)),
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
-                     dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0)),
+                     dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0, WALK=True)),
     "wide_pick": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its

@@ -4,6 +4,7 @@ within e^LOG_BOUND of the exact one (exact where it reaches the sequence's start
 route's walk lengths against their definitions; the warm-up launch's gathers."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -228,3 +229,43 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_m
             bound = math.exp(float(log_b[e:x, hv].sum()))
             assert exact or bound <= math.exp(warmup.LOG_BOUND) * (1 + 1e-9)
             assert (warm - true).norm() <= bound * at_x.norm() * (1 + 1e-9) + 1e-12
+
+
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.integers(0, 4), min_size=1, max_size=3), reverse=st.booleans(), has_h0=st.booleans(),
+       flagged=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**16))
+def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, seed):
+    """The gated route's segment states (triton_generic's gated_segment_states_kernel, one program per segment and
+    head) against the scan they replace, a dependent step per segment: walking each sequence's segments from its
+    boundary (first to last; last to first with reverse), a segment's state is the boundary's (h0 / dht, or zero)
+    for the first, then the neighbour's transition (P S + E; P^T S + F with reverse) where need flags that
+    neighbour, else its warm state. Flags none, half or all set, so chains of transitions of every length."""
+    from gdnkit.backends.triton_generic.context_parallel import segment_scan
+    gen = torch.Generator().manual_seed(seed)
+    HV, Kd, Vd = 2, 16, 16
+    N, n_seg = len(counts), sum(counts)
+    if n_seg == 0:
+        return
+    seg_offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+    seq_of = torch.tensor([n for n, c in enumerate(counts) for _ in range(c)], dtype=torch.int64)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    aug, warm = r(n_seg, HV, Kd, Vd + Kd) * 0.3, r(n_seg, HV, Kd, Vd)
+    f = r(n_seg, HV, Kd, Vd) if reverse else None
+    h0 = r(N, HV, Kd, Vd) if has_h0 else None
+    need = (torch.rand(n_seg, HV, generator=gen) < flagged).to(torch.int32)
+    got, _ = segment_scan(aug, h0, seg_offsets, N, HV, Kd, Vd, False, False, "ieee", f=f, need=need, warm=warm,
+                          seq_of=seq_of)
+    want = torch.empty_like(got)
+    for n in range(N):
+        order = list(range(int(seg_offsets[n]), int(seg_offsets[n + 1])))
+        order = order[::-1] if reverse else order
+        for h in range(HV):
+            S = h0[n, h].clone() if has_h0 else torch.zeros(Kd, Vd)
+            for i, s in enumerate(order):
+                want[s, h] = S
+                P, E = aug[s, h, :, Vd:], aug[s, h, :, :Vd]
+                if need[s, h]:
+                    S = P.T @ S + f[s, h] if reverse else P @ S + E
+                elif i + 1 < len(order):
+                    S = warm[order[i + 1], h]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()

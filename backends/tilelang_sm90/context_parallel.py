@@ -264,4 +264,4 @@ def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_fina
 
     _, HV, K, VK = aug.shape
     return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,
-                        dot_precision(dtype), f=f, need=need, warm=warm)
+                        dot_precision(dtype), f=f, need=need, warm=warm, seq_of=plan.walks.seq_of)

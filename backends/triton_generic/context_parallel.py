@@ -40,14 +40,11 @@ def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV: tl.
 
 
 @triton.jit
-def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, need, warm, PREC: tl.constexpr, HV: tl.constexpr,
-                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
-                        STORE_HT: tl.constexpr, STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr,
-                        GATED: tl.constexpr):
+def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                        STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr):
     """Forward: S0_{j+1} = P_j S0_j + E_j, storing every S0_j. REVERSE (the backward's dS): walking
-    segments last to first, dS_end_{j-1} = P_j^T dS_end_j + F_j, storing every dS_end_j. GATED
-    (tilelang_sm90's graph-safe warm-up route): the next segment's state is warm[next] where need[j, head] is 0
-    (a warm-up settled it; segment j's [E | P] was not computed), the transition where it is 1."""
+    segments last to first, dS_end_{j-1} = P_j^T dS_end_j + F_j, storing every dS_end_j."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
@@ -59,42 +56,73 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, need, warm, PREC: tl.co
         S += tl.load(h0 + i_nh.to(tl.int64) * K * V + s_off, mask=mv[None, :], other=0.0)
     n = s_end - s_begin
     for j in range(n):
-        if REVERSE:
-            s = s_end - 1 - j
-            nxt = s - 1
-        else:
-            s = s_begin + j
-            nxt = s + 1
+        s = s_end - 1 - j if REVERSE else s_begin + j
         tl.store(s0 + (s * HV + i_h) * K * V + tile, S, mask=mv[None, :])
-        # warm is only touched under the constexpr GATED: the ungated build has no warm tensor to load from
-        if GATED:
-            if tl.load(need + s * HV + i_h) != 0:
-                S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
-            elif j + 1 < n:
-                S = tl.load(warm + (nxt * HV + i_h) * K * V + tile, mask=mv[None, :], other=0.0)
-        else:
-            S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
+        S = _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
 
 
+@triton.jit
+def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm, PREC: tl.constexpr,
+                                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                                HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
+    """tilelang_sm90's graph-safe warm-up route: the scan's states, one program per (segment, head, V tile). Segment
+    s's state is the boundary's (h0; dht with REVERSE) for its sequence's first segment (last), else warm[s] where
+    need leaves its neighbour's transition uncomputed (need[s - 1, head] == 0; need[s + 1, head] with REVERSE),
+    else that transition applied to the neighbour's state. So each program walks its flagged neighbours towards
+    the boundary to the nearest state not made by a transition and applies their transitions back: one load and
+    store where no pair is flagged, where the scan took a dependent step per segment."""
+    i_v, i_sh = tl.program_id(0), tl.program_id(1)
+    s, i_h = (i_sh // HV).to(tl.int64), i_sh % HV
+    i_n = tl.load(seq_of + s)
+    s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
+    s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
+    ck, cv, mv, s_off = state_tile(i_v, K, V, BV, False)
+    tile = ck[:, None] * V + cv[None, :]
+    edge = s_end - 1 if REVERSE else s_begin
+    step = 1 if REVERSE else -1
+    t = s
+    go = t != edge
+    while go:
+        nt = t + step
+        flagged = tl.load(need + nt * HV + i_h) != 0
+        t = tl.where(flagged, nt, t)
+        go = flagged & (nt != edge)
+    from_warm = mv & ((cv * 0 + t) != edge)   # as a tile: a scalar mask the interpreter refuses
+    S = tl.load(warm + (t * HV + i_h) * K * V + tile, mask=from_warm[None, :], other=0.0)
+    if HAS_H0:
+        at_edge = mv & ((cv * 0 + t) == edge)
+        S += tl.load(h0 + (i_n * HV + i_h) * K * V + s_off, mask=at_edge[None, :], other=0.0)
+    for j in range((t - s) * step):
+        S = _transition(aug, f, t - j * step, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
+    tl.store(s0 + (s * HV + i_h) * K * V + tile, S, mask=mv[None, :])
+
+
 def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_state, prec, f=None, need=None,
-                 warm=None):
+                 warm=None, seq_of=None):
     """Returns (S0 of every segment [n_seg, HV, K, V] fp32, the sequences' final states or None).
 
     With f (the segments' dS0 from a zero terminal gradient) it runs the backward's reverse scan instead:
-    h0 is dht, the first return the true dS_end of every segment, the second dh0. With need ([n_seg, HV] int32)
-    and warm ([n_seg, HV, K, V] fp32, states from warm-ups): a segment's state comes from warm where need says
-    its neighbour's transition was not computed (final states then only where no warm state was taken)."""
+    h0 is dht, the first return the true dS_end of every segment, the second dh0. With need ([n_seg, HV] int32),
+    warm ([n_seg, HV, K, V] fp32, states from warm-ups) and seq_of ([n_seg], each segment's sequence): a segment's
+    state comes from warm where need says its neighbour's transition was not computed
+    (gated_segment_states_kernel; no final states)."""
     n_seg = aug.shape[0]
     s0 = torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
-    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
     # P [K, K] fp32 goes through shared memory: narrow S blocks keep it at ~80 KB (sm86/89 fit)
     BV = min(16, next_power_of_2(V))
+    if need is not None:
+        assert not output_final_state and not state_v_first and seq_of is not None
+        launch("segment_scan", aug.dtype, gated_segment_states_kernel, (cdiv(V, BV), n_seg * HV),
+               aug, f, h0, s0, seg_offsets, seq_of, need, warm, PREC=prec, HV=HV, K=K, V=V, BV=BV,
+               HAS_H0=h0 is not None, REVERSE=f is not None)
+        return s0, None
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
     launch("segment_scan", aug.dtype, segment_scan_kernel, (cdiv(V, BV), N * HV),
-        aug, f, h0, s0, ht, seg_offsets, need, warm, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None, GATED=need is not None)
+           aug, f, h0, s0, ht, seg_offsets, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
+           STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None)
     return s0, ht
 
 
