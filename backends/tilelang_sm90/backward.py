@@ -18,11 +18,12 @@ is large and evenly spread over the programs (faster there, H200 session 18), th
 GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
-dS_end from a fixed warm-up over the chunks after it (warmup.py, the same norm bound as the forward's; the
-reverse pass walking them in place, storing only the dS_ends), checked on the device per (segment, head), and
-exactly where it left a pair unsettled (the forward's propagator gives each segment's transition, a reverse
-segment scan the dS_ends: _gated_ds_ends); then the reverse pass per segment. Chained: the reverse pass per segment walks forward first, as far as the bound needs per head. Where
-both fit the SMs, the S0 recompute runs on a side stream beside the reverse pass.
+dS_end from a warm-up over at most a window of the chunks after it (warmup.py, the same norm bound as the
+forward's; the reverse pass walking them in place, storing only the dS_ends), checked on the device per (segment,
+head), and exactly where it left a pair unsettled (the forward's propagator gives each segment's transition, and
+the transitions of flagged neighbours carry the dS_ends: _gated_ds_ends); then the reverse pass per segment.
+Chained: the reverse pass per segment walks forward first, as far as the bound needs per head. Where both fit the
+SMs, the S0 recompute runs on a side stream beside the reverse pass.
 """
 from __future__ import annotations
 

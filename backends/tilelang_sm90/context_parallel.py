@@ -14,8 +14,9 @@ state (ALGORITHM.md section 4), found by one of these routes:
         off (tests), else behind the gated warm-up.
     gated (where the exact route pays): a warm-up of a fixed few chunks, then the exact route's kernels
         launched behind it but run only for the (segment, head) pairs whose successor the warm-up left outside
-        the bound, flagged on the device; the scan takes the warm state or the transition's per pair
-        (forward._initial_states); no host read, so a CUDA graph captures it whatever the flags.
+        the bound, flagged on the device; each segment then takes the warm state or its flagged neighbours'
+        transitions (one program per segment and head: triton_generic's gated_segment_states_kernel;
+        forward._initial_states); no host read, so a CUDA graph captures it whatever the flags.
     chained (where the exact route does not pay): no separate warm-up; the pass over segments (forward and
         reverse) reads, per (segment, head), how many chunks next to the segment the bound needs (warmup.
         walk_lengths, one search on the device), and each program walks those chunks from zero, state only,
