@@ -37,7 +37,7 @@ from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, warmup
 from .group_sum import chunk_group_sums
-from .forward import (TARGET, TORCH_TO_TL, Saved, _plan_block_v, _segment_chunks, _sm_count_of, entering_states,
+from .forward import (TARGET, TORCH_TO_TL, Saved, _segment_chunks, _sm_count_of, entering_states,
                       no_walks, open_gate, propagator_kernel)
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
