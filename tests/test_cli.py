@@ -58,8 +58,11 @@ def test_warm_family_covers_training_and_inference():
     staged = set(precompile.family(4, 16, "bfloat16", backward="staged"))
     fused = set(precompile.family(4, 16, "bfloat16", backward="fused"))
     assert staged | fused == set(training) and set(inference) < staged & fused
-    assert {j.factory for j in fused - staged} == {"backward_fused_kernel"}
-    assert {j.factory for j in staged - fused} == {"chunk_grads_kernel", "backward_state_kernel"}
+    # the recompute of S0 stores X too for the fused kernel (state_output_kernel's last flag)
+    assert {j.factory for j in fused - staged} == {"backward_fused_kernel", "state_output_kernel"}
+    assert {j.args[-1] for j in fused - staged if j.factory == "state_output_kernel"} == {True}
+    assert {j.factory for j in staged - fused} == {"chunk_grads_kernel", "backward_state_kernel", "state_output_kernel"}
+    assert {j.args[-1] for j in staged - fused if j.factory == "state_output_kernel"} == {False}
     passes = [j.args for j in fused if j.factory == "backward_state_kernel"]
     assert passes and all(ds_only for *_, ds_only in passes)   # the reverse pass with gradient stores: staged only
     with pytest.raises(ValueError, match="backward"):

@@ -174,6 +174,23 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
     _assert_hopper_paths(src)
 
 
+@pytest.mark.parametrize("H,HV,dtype,bv,chained", [(16, 32, "bfloat16", 64, True), (4, 8, "float16", 32, False)])
+def test_recompute_with_x_compiles_to_wgmma_and_tma(H, HV, dtype, bv, chained):
+    """The fused backward's recompute (S0 per chunk without output, X beside it): S0 and full chunks of X leave
+    through TMA stores from the hand-over tiles (a tail's X rows by threads), the state role's U = Tb X reads X's
+    hand-over tile (no extra copy on its chain), and without store_x nothing of it is built."""
+    _tilelang()
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    options = dict(has_initial_state=True, store_final_state=False, block_v=bv, stages=fwd.WS_STAGES[bv],
+                   store_states=True, emit_output=False, chained=chained)
+    src = _source("state_output_ws", H, HV, dtype, **options, store_x=True)
+    _assert_hopper_paths(src)
+    assert "tma_store(hs_desc" in src and "tma_store(o_desc" in src
+    assert src.count("wgmma_ss<") == 3     # K S, Tb X, K^T U_d: X's store adds no product
+    without = _source("state_output_ws", H, HV, dtype, **options)
+    assert "tma_store(hs_desc" in without and "o_desc" not in without
+
+
 @pytest.mark.parametrize("H,HV,dtype,chained", [(2, 8, "bfloat16", True), (16, 64, "float16", False)])
 def test_state_output_wide_compiles_to_wgmma_and_tma(H, HV, dtype, chained):
     """The 128-column three-role state pass (inference with enough programs, and the wide route's chained build):
@@ -287,8 +304,9 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "mma_sync" not in src
-    # owner 2, x 9 (dX twice), p 6 (K K^T again), g 7 (H K, and H^T K from the same tile, transposed)
-    assert src.count("wgmma_ss<") == 24
+    # owner 2, x 8 (dX twice; X comes from the recompute), p 6 (K K^T again), g 7 (H K, and H^T K from the same
+    # tile, transposed)
+    assert src.count("wgmma_ss<") == 23
     assert src.count("tma_store(") == 2    # a full chunk's dv; dk's rows into its slot of S0's buffer
     assert "tma_store(dqk_desc" in src and "*(uint1*)(dqk + " in src   # dq's by the threads, into the same slot
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
@@ -932,7 +950,7 @@ def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch)
     factory = fwd.state_output_kernel
 
     def recording(*args):
-        kernel, chained = factory(*args), args[-1]
+        kernel, chained = factory(*args), args[8]
         if not chained:
             block_vs.append(args[5])
         return lambda *a: launched.append((chained, bool(a[5].diff().any()))) or kernel(*a)
@@ -964,9 +982,10 @@ def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch)
     _assert_in_family(calls, H, HV, "float16", training=False)
 
 
-def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chained=False):
+def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chained=False, store_x=False):
     """What the state/output kernel writes: O rows of every sequence (of cu) if emit_output, final states if
-    asked, every chunk's entering state (bf16) if store_states. chained: each program first walks walk[n, hv]
+    asked, every chunk's entering state (bf16) if store_states, and with store_x each chunk's X = V - diag(Gamma)
+    K S0 into o's argument (the rows of its sequences). chained: each program first walks walk[n, hv]
     chunks before its segment from zero, or from its h0 row where that reaches the sequence's start
     (walk == before[n]), writing only its own chunks."""
     def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs, walk=None, before=None):
@@ -990,7 +1009,10 @@ def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chai
                         hs[run_c0 + ic, hv] = S.to(hs.dtype)
                         S = S.to(hs.dtype).double()  # the kernels' S0 operands are bf16 too
                     i = torch.arange(m)
-                    U = tb @ (vv - gs.exp()[:, None] * (kk @ S))
+                    X = vv - gs.exp()[:, None] * (kk @ S)
+                    if store_x and own:
+                        o[0, t0:t0 + m, hv] = X.to(o.dtype)
+                    U = tb @ X
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
                     if emit_output and own:
                         o[0, t0:t0 + m, hv] = (scale * ((qq @ S) * gs.exp()[:, None] + P @ U)).to(o.dtype)
@@ -1105,10 +1127,13 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
     """What the fused backward writes per (sequence or segment, value head), chunks last to first from its dinit
     row (or zero): the reverse pass's chain (dS_end rounded to bf16 as the kernel hands it over) and each chunk's
     chunk_local_grads, dq and dk per chunk and value head into dqk (S0's buffer: a chunk's slot written after its
-    S0 is read), dh0 at the run's start."""
+    S0 is read), dh0 at the run's start. It reads each chunk's X (xv: dv's buffer, from the recompute) before it
+    writes that chunk's dV there."""
     from gdnkit.backends.reference.chunked_backward import chunk_local_grads
 
-    def run(q, k, v, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dqk, dv, dg, dbeta, dh0, scale):
+    def run(q, k, xv, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dqk, dv, dg, dbeta, dh0, scale):
+        assert xv.data_ptr() == dv.data_ptr()   # X costs no memory of its own
+        v = xv
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -1125,8 +1150,11 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
                     dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dse)
                     dX = a[0, t0:t0 + m, hv, :m].double().T @ dU
-                    got = chunk_local_grads(qq, kk, rows(v), dO, rows(beta), gs, tm[0, t0:t0 + m, hv, :m].double(),
-                                            hs[c0 + ic, hv].double(), dU, dX, dse, scale)
+                    # chunk_local_grads makes X from V: V is given as X + diag(Gamma) K S0 (float64)
+                    s0 = hs[c0 + ic, hv].double()
+                    vv = rows(xv) + gs.exp()[:, None] * (kk @ s0)
+                    got = chunk_local_grads(qq, kk, vv, dO, rows(beta), gs, tm[0, t0:t0 + m, hv, :m].double(),
+                                            s0, dU, dX, dse, scale)
                     dqk[c0 + ic, hv, :, :m] = torch.stack(got[:2]).to(dqk.dtype)
                     dg[0, t0:t0 + m, hv], dbeta[0, t0:t0 + m, hv] = got[2].float(), got[3].float()
                     dv[0, t0:t0 + m, hv] = dX.to(dv.dtype)
@@ -1152,8 +1180,8 @@ def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
                                                              lambda H, HV, dt, emit_t=False, emit_bound=False: _intra_stand_in))
     monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
         calls, "state_output_kernel",
-        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False:
-        _state_stand_in(has_h0, store_ht, store_states, emit_output, chained)))
+        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False, store_x=False:
+        _state_stand_in(has_h0, store_ht, store_states, emit_output, chained, store_x)))
 
 
 def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) -> None:
@@ -1224,9 +1252,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
         lambda H, HV, dt, has_dinit, store_dh0: _backward_fused_stand_in(has_dinit, store_dh0)))
     # the fused path's dq / dk per value head are written into S0's buffer (recomputed, not the forward's)
     s0_buffers, sums_in_s0 = [], []
-    real_entering, real_sums = bwd.entering_states, bwd.chunk_group_sums
-    monkeypatch.setattr(bwd, "entering_states", lambda *a, **kw: (
-        lambda hs: s0_buffers.append(hs.data_ptr()) or hs)(real_entering(*a, **kw)))
+    real_entering, real_sums = fwd.entering_states_and_x, bwd.chunk_group_sums
+    monkeypatch.setattr(fwd, "entering_states_and_x", lambda problem, s, hs, xs: (
+        s0_buffers.append(hs.data_ptr()) or real_entering(problem, s, hs, xs)))
     monkeypatch.setattr(bwd, "chunk_group_sums", lambda dqk, *a: sums_in_s0.append(
         dqk.data_ptr() in s0_buffers) or real_sums(dqk, *a))
 
@@ -1293,7 +1321,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
                                                            [[1, 4], [1, 2], [0, 0], [0, 0]])}.get(case, (None, None))
     assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)]), walks
     # (the reverse pass's arguments end (..., chained, ds_only); ds_only chained builds are the gated warm-ups)
-    walked = {name for name, args in calls if name == "state_output_kernel" and args[-1]
+    walked = {name for name, args in calls if name == "state_output_kernel" and args[8]
               or name == "backward_state_kernel" and args[-2] and not args[-1]}
     assert walked == ({"state_output_kernel", "backward_state_kernel"} if chained else set()), walked
     warmed = any(name == "backward_state_kernel" and args[-2] and args[-1] for name, args in calls)

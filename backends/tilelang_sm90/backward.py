@@ -68,6 +68,8 @@ def fused_pays(s: Saved, HV: int, dev: torch.device) -> bool:
     """Whether this call's backward runs the fused kernel: FUSED where set, else the rule above."""
     if FUSED is not None:
         return FUSED
+    if s.hs is not None:   # the forward kept S0 (KEEP_STATES): the staged path reads it, the fused one recomputes
+        return False
     layout, sms = s.layout, _sm_count_of(dev)
     work = layout.n_chunks * HV
     if work < FUSED_MIN_WORK or sms == 0:
@@ -354,10 +356,10 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     dv = seqlayout.packed_output((1, total, HV, V), cu, device=dev, dtype=s.v.dtype)
     dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
-    # S0's buffer: S0 from the recompute, then the kernel's dq / dk as it frees each slot. Where the forward kept
-    # S0 (not to be overwritten) a buffer of the same shape takes dq / dk
-    buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype) if s.hs is None else \
-        torch.empty_like(s.hs)
+    # S0's buffer: S0 from the recompute, then the kernel's dq / dk as it frees each slot. The recompute runs even
+    # where the forward kept S0 (KEEP_STATES), for X, which it leaves in dv's buffer: the kernel reads each chunk's
+    # X before it stores that chunk's dV (backward_fused.py), so X costs no memory of its own
+    buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
     seg = forward.wide_segment_chunks(layout, HV, dev)
     placeholder = _placeholder(dev, HV, K, V)
     if seg:
@@ -368,11 +370,11 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
         plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N
     # a slot of S0 [K, V] is dq's and dk's [64, K] rows (K = V = 128)
     dqk = buf.view(layout.n_chunks, HV, 2, seqlayout.CHUNK, K)
-    hs = entering_states(problem, s, out=buf)   # the forward's S0 where it kept them
+    forward.entering_states_and_x(problem, s, buf, dv)
     store_dh0 = s.h0 is not None
     dh0 = torch.empty(n_run, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
     backward_fused_kernel(H, HV, dt, dinit is not None, store_dh0)(
-        s.q, s.k, s.v, do, s.a, s.tm, hs, s.gamma, s.beta, cu_run, offsets,
+        s.q, s.k, dv, do, s.a, s.tm, buf, s.gamma, s.beta, cu_run, offsets,
         placeholder if dinit is None else dinit, dqk, dv, dg, dbeta,
         placeholder if dh0 is None else dh0, float(problem.scale))
     if plan is not None and dh0 is not None:

@@ -1,7 +1,7 @@
 """The backward's reverse pass fused with the per-chunk gradients (BACKWARD.md, "The fused kernel"): per (sequence
 or segment, value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; nothing of the
-chain (dS_end, dU, dX) leaves the chip. Per chunk, from S0 (the forward's state pass run again), Tb, T, gamma, beta,
-Q, K, V and dO, with P = s Q K^T (.) D_incl:
+chain (dS_end, dU, dX) leaves the chip. Per chunk, from S0 and X (both from the forward's state pass run again,
+forward.entering_states_and_x), Tb, T, gamma, beta, Q, K and dO, with P = s Q K^T (.) D_incl:
 
     X   = V - diag(Gamma) K S0,   U = Tb X
     dU  = diag(Gamma_C / Gamma) K dS_end + P^T dO,   dX = Tb^T dU  (= dV)
@@ -18,7 +18,7 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              s diag(Gamma) dO once every other role has read it, dS += Q^T (that), then
                              dS += K^T (-Gamma dX) when x hands it over; then the TMA loads of the next chunk,
                              each tile once its last readers are done
-    x     (threads 128-255)  the chain's other half: X (into V's tile) and U before dS_end arrives, then
+    x     (threads 128-255)  the chain's other half: U = Tb X before dS_end arrives, then
                              dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
                              and g; then, while the owner closes the chain, most of the solve's backward from dU
                              (dT, M, then M T^T: dA (.) D and H's lower triangle) and dv
@@ -28,8 +28,11 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
     g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
                              accumulator's rows against Q or K, and dg
 
-The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 20 (dX twice: for the chain, then for dv's
+The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 16 (dX twice: for the chain, then for dv's
 store), p 12 (K K^T again), g 20 (H K, and H^T K from the same tile read transposed by the tensor cores).
+Until session 23 x also made X = V - diag(Gamma) K S0 (a 4-unit product and a pass over V's tile) at each chunk's
+start, on the chain; the recompute of S0 makes X anyway and now leaves it in dV's buffer (each chunk's X is read
+by the chunk's first loads, its dV stored at the chunk's end: the same rows, one program's), so x starts at U.
 Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk (clock64 trace, 16/32
 1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from ~15800); all of it in x
 paced the step the same way (~45400 clocks), hence the split (JOURNAL). Single-slot tiles, each reloaded for the
@@ -58,6 +61,7 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
 
 Rows past a sequence's end inside the last chunk are the next sequence's (or TMA's zeros past the tensor): the
 per-row factors are 0 there (Gamma, Gamma_C / Gamma, s Gamma, beta), and P, dPD, D and the dT rows are masked.
+X's rows there (the next sequence's X, or its dV once that program has stored it) are zeroed in the tile.
 """
 import tilelang
 import tilelang.language as T
@@ -98,7 +102,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
 
     # The loads of chunk i + 1 leave as their tiles' last readers of chunk i are done, each adding its bytes to
     # `loaded` (whose phase for chunk i + 1 is open once every role has waited for chunk i's). The owner, idle
-    # after its second product, issues them all: dO (its own product is dO's last reader), S0 and V (m_ready,
+    # after its second product, issues them all: dO (its own product is dO's last reader), S0 and X (m_ready,
     # du_free, s0_free), Q (q_free), T and the gates (h_ready, tg_read: only x and p read them late), Tb
     # (tb_free), then K (pd_free: g's products with H), whose macro's arrival of its 128 threads closes the phase.
     # Session 17's first form had x issue them and wait for those barriers between its own products (run A: x
@@ -119,9 +123,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         T.tma_copy(do[0, rows(bos, n_chunks, i), hv, 0:V], do_s, barrier=loaded)
 
     @T.macro
-    def load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i):
+    def load_s0_x(hs, xv, s0_s, x_s, loaded, bos, c0, n_chunks, hv, i):
         T.tma_copy(hs[c0 + chunk_of(n_chunks, i), hv, 0:K, 0:V], s0_s, barrier=loaded)
-        T.tma_copy(v[0, rows(bos, n_chunks, i), hv, 0:V], vx_s, barrier=loaded)
+        T.tma_copy(xv[0, rows(bos, n_chunks, i), hv, 0:V], x_s, barrier=loaded)
 
     @T.macro
     def load_tb(a, tb_s, loaded, bos, n_chunks, hv, i):
@@ -183,7 +187,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     def gdn_backward_fused(
         q: T.Tensor((1, num_tokens, H, K), dtype),
         k: T.Tensor((1, num_tokens, H, K), dtype),
-        v: T.Tensor((1, num_tokens, HV, V), dtype),
+        xv: T.Tensor((1, num_tokens, HV, V), dtype),       # X per chunk (dv's buffer: each chunk's read first)
         do: T.Tensor((1, num_tokens, HV, V), dtype),
         a: T.Tensor((1, num_tokens, HV, C), dtype),          # Tb
         tm: T.Tensor((1, num_tokens, HV, C), dtype),         # T
@@ -207,7 +211,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             # the chunk's tiles (one slot each)
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
-            vx_s = T.alloc_shared((C, V), dtype)      # V, then X (x)
+            x_s = T.alloc_shared((C, V), dtype)       # X
             do_s = T.alloc_shared((C, V), dtype)      # dO, then s diag(Gamma) dO (owner, in place)
             tb_s = T.alloc_shared((C, C), dtype)
             t_s = T.alloc_shared((C, C), dtype)
@@ -234,7 +238,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             dg_s = T.alloc_shared((C,), accum)        # g: dgamma before its reverse cumsum
 
             dS = T.alloc_fragment((K, V), accum)      # owner
-            acc_x = T.alloc_fragment((C, V), accum)   # x: K S0, U, K dS_end -> dU, dX
+            acc_x = T.alloc_fragment((C, V), accum)   # x: U, K dS_end -> dU, dX
             f1 = T.alloc_fragment((C, C), accum)      # p
             f2 = T.alloc_fragment((C, C), accum)      # p
             row_p = T.alloc_fragment((C,), accum)
@@ -288,7 +292,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.clear(dS)
                 if n_chunks > 0:
                     load_do(do, do_s, loaded, bos, n_chunks, hv, 0)
-                    load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, 0)
+                    load_s0_x(hs, xv, s0_s, x_s, loaded, bos, c0, n_chunks, hv, 0)
                     load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
                     load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, 0)
                     load_q(q, q_s, loaded, bos, n_chunks, hk, 0)
@@ -327,7 +331,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(k_s, gx_s, dS, transpose_A=True)              # - K^T Gamma dX
                     T.wait_wgmma(0)
                     T.barrier_arrive(gx_read)
-                    # idle until the next chunk: it reloads S0 and V once x (before m_ready), p (du_free) and g
+                    # idle until the next chunk: it reloads S0 and X once x (before m_ready), p (du_free) and g
                     # (s0_free) have read them, Q after g's dPD^T Q (q_free), T and the gates once x's and p's
                     # passes over them are done (h_ready, tg_read), Tb after x's last product (tb_free), and K after
                     # g's products with H (pd_free)
@@ -335,7 +339,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         T.barrier_wait(m_ready, ph)
                         T.barrier_wait(du_free, ph)
                         T.barrier_wait(s0_free, ph)
-                        load_s0_v(hs, v, s0_s, vx_s, loaded, bos, c0, n_chunks, hv, i + 1)
+                        load_s0_x(hs, xv, s0_s, x_s, loaded, bos, c0, n_chunks, hv, i + 1)
                         T.barrier_wait(q_free, ph)
                         load_q(q, q_s, loaded, bos, n_chunks, hk, i + 1)
                         T.barrier_wait(h_ready, ph)
@@ -348,7 +352,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
-                # ---- x: X, U, then the chain's dU and dX; then its share of the solve's backward and dv ----
+                # ---- x: U, then the chain's dU and dX; then its share of the solve's backward and dv ----
                 T.set_max_nreg(X_REGS, int(X_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
@@ -357,17 +361,16 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         eg_x[r] = T.if_then_else(r < n_valid, T.exp(g_s[r]), 0.0)
                         eu_x[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[r]), 0.0)
                         b_s[r] = T.if_then_else(r < n_valid, beta[0, t0 + r, hv], 0.0)
+                    if n_valid < C:   # a tail chunk: X's rows past the sequence (see the docstring) to 0
+                        for r, j in T.Parallel(C, V):
+                            if r >= n_valid:
+                                x_s[r, j] = T.cast(0.0, dtype)
+                        T.fence_proxy_async()
                     T.clear(acc_x)   # a new live range (see the dv store's)
-                    T.wgmma_gemm(k_s, s0_s, acc_x, clear_accum=True)               # K S0
-                    T.wait_wgmma(0)
                     # each pass below leaves its tile by a whole-fragment copy (stmatrix): TileLang puts a
-                    # 128-thread barrier in every step of an element loop that writes a shared tile it also reads
-                    # (here V's), and writes a scalar per element where a loop mixes element math and stores
-                    for r, j in T.Parallel(C, V):
-                        acc_x[r, j] = T.if_then_else(r < n_valid, vx_s[r, j] - eg_x[r] * acc_x[r, j], 0.0)
-                    T.copy(acc_x, vx_s)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(tb_s, vx_s, acc_x, clear_accum=True)              # U = Tb X
+                    # 128-thread barrier in every step of an element loop that writes a shared tile it also reads,
+                    # and writes a scalar per element where a loop mixes element math and stores
+                    T.wgmma_gemm(tb_s, x_s, acc_x, clear_accum=True)               # U = Tb X
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, V):
                         acc_x[r, j] = T.if_then_else(r < n_valid, acc_x[r, j], 0.0)
@@ -401,7 +404,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # (in place of dT), then dA = -M T^T (strictly lower): dA (.) D for p (the A terms, with its
                     # K K^T) and H = diag(beta) dA (.) D for g and p; p also takes dbeta's X dU^T term
                     T.clear(xf2)   # the solve's accumulators live only through it (see acc_x's below)
-                    T.wgmma_gemm(du_s, vx_s, xf2, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(du_s, x_s, xf2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
                         xf2[r, c] = T.if_then_else(r < n_valid, xf2[r, c] * b_s[c], 0.0)
@@ -478,7 +481,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # and only dg, then differed from call to call where the next chunk's x got ahead of p's tail)
                     for r in T.Parallel(C):
                         bet[r] = b_s[r]
-                    T.wgmma_gemm(vx_s, du_s, f1, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(x_s, du_s, f1, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(du_free)
                     for r, c in T.Parallel(C, C):

@@ -240,14 +240,16 @@ def _pipelined(block_v: int, store_states: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
-                        block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False):
+                        block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False,
+                        store_x: bool = False):
     """The state pass for a V tile: three warpgroups below 128 columns; at 128 the wide kernel where no S0 is
-    stored, else the pipelined one (both always write O; the pipelined one walks nothing: no chained runs)."""
+    stored, else the pipelined one (both always write O; the pipelined one walks nothing: no chained runs).
+    store_x: the recompute that also leaves X for the fused backward (three warpgroups only)."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
-                         emit_output=emit_output, chained=chained)
-    assert emit_output, "the 128-column state passes always write O"
+                         emit_output=emit_output, chained=chained, store_x=store_x)
+    assert emit_output and not store_x, "the 128-column state passes always write O, and never X"
     if not _pipelined(block_v, store_states):
         return _jit()[4](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          chained=chained)
@@ -276,9 +278,10 @@ class StateLaunch:
 
 
 def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs,
-                block_v: int | None = None) -> None:
+                block_v: int | None = None, xs=None) -> None:
     """One state pass: writes O into o, the final states into ht, S0 per chunk into hs, each if given. Without
-    o (the backward's recompute of S0) the three-warpgroup kernel skips the output's loads and products.
+    o (the backward's recompute of S0) the three-warpgroup kernel skips the output's loads and products, and
+    writes each chunk's X into xs where given (a [1, tokens, HV, V] buffer in v's dtype).
     block_v: the V tile, else planned from the program count."""
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
     dev = k.device
@@ -288,11 +291,14 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     emit = o is not None or block_v not in WS_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
+    store_x = xs is not None
+    if store_x and (emit or hs is None):
+        raise ValueError("X leaves only the three-warpgroup recompute of S0 (no output, a V tile of 32 or 64)")
     chained = launch.walk is not None
     kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
-                                 block_v, hs is not None, emit, chained)
+                                 block_v, hs is not None, emit, chained, store_x)
     args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
-            placeholder if launch.init is None else launch.init, o if emit else stub,
+            placeholder if launch.init is None else launch.init, o if emit else xs if store_x else stub,
             placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
     if not _pipelined(block_v, hs is not None):
         args += launch.walk if chained else no_walks(dev, HV)
@@ -442,3 +448,13 @@ def entering_states(problem: Problem, s: Saved, out: torch.Tensor | None = None,
     hs = out if out is not None else torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
     _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v)
     return hs
+
+
+def entering_states_and_x(problem: Problem, s: Saved, hs: torch.Tensor, xs: torch.Tensor) -> None:
+    """The state pass run again (as entering_states, even where the forward kept S0) writing every chunk's S0
+    into hs [num_chunks, HV, K, V] and its X = V - diag(Gamma) K S0 into xs [1, tokens, HV, V] (the rows of its
+    sequences; both in the inputs' dtype), for the fused backward. Always the three-warpgroup kernel (a 32- or
+    64-column tile, as _plan_block_v picks without BLOCK_V), the only one that stores X."""
+    block_v = _plan_block_v(s.states.n, problem.HV, s.k.device)
+    block_v = block_v if block_v in WS_BLOCK_V else WS_BLOCK_V[-1]
+    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v, xs=xs)

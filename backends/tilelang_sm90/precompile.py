@@ -34,9 +34,9 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
     without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
     propagator), and with `training` the intra kernel that also writes T, the state pass that stores S0 (without
-    output: the backward's recompute; with it: the forward with KEEP_STATES), and the backward's: `staged` the
-    reverse pass and the per-chunk gradients, `fused` the fused kernel and the reverse passes its segments'
-    gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
+    output: the backward's recompute, with X for the fused path; with it: the forward with KEEP_STATES), and the
+    backward's: `staged` the reverse pass and the per-chunk gradients, `fused` the fused kernel and the reverse
+    passes its segments' gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
     from .forward import WS_BLOCK_V
@@ -44,19 +44,21 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     flags = (False, True)
     # the last flag: emit_bound (the chained and wide routes' walks read the intra kernel's chunk sums)
     jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False, bound)) for bound in flags]
-    # the last flag: chained (context parallelism's chained route)
-    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained))
+    # the last flags: chained (context parallelism's chained route), store_x (the fused backward's recompute)
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained, False))
              for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
     # the wide kernel: passes without S0 stores whose (sequence or segment, head) programs fill the SMs
-    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, 128, False, True, chained))
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, 128, False, True, chained, False))
              for h0, ht, chained in itertools.product(flags, flags, flags)]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
         jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True, False)))
-        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained))
-                 for h0, bv, chained in itertools.product(flags, WS_BLOCK_V, flags)]  # recompute
-        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained))   # KEEP_STATES
-                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
+        # the recompute: S0 alone (the staged path), S0 and X (the fused path)
+        stores_x = {"staged": (False,), "fused": (True,), "both": flags}[backward]
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained, x))
+                 for h0, bv, chained, x in itertools.product(flags, WS_BLOCK_V, flags, stores_x)]
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained, False))
+                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]   # KEEP_STATES
         if backward != "fused":
             jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained, False))
                      for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]

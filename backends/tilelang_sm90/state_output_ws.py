@@ -54,12 +54,16 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, stages: int = 3,
                          store_states: bool = False, emit_output: bool = True, chained: bool = False,
-                         K: int = 128, V: int = 128):
+                         store_x: bool = False, K: int = 128, V: int = 128):
     """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
     V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
     is a 1-element placeholder the kernel never touches.
     emit_output=False (the backward's recompute of S0, with store_states): no O, so no Q loads, no U hand-over
     and no output products; the third warpgroup only stores S0, and `o` is a 1-element placeholder.
+    store_x (with store_states, without output: the recompute for the fused backward): each chunk's X = V -
+    diag(Gamma) K S0 also leaves, in the inputs' dtype, into `o` [1, num_tokens, HV, V] (rows past a sequence's end
+    untouched), where the fused backward reads it instead of making it again (backward_fused.py; the caller passes
+    dV's buffer, which that kernel overwrites chunk by chunk after reading X).
     chained: `walk` [num_walk >= num_seqs, HV] and `before` [num_walk] int32 are read (module docstring);
     otherwise they are placeholders the kernel never touches."""
     C = CHUNK
@@ -68,6 +72,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     accum = "float32"
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     assert emit_output or store_states, "a pass that writes neither O nor S0"
+    assert not store_x or (store_states and not emit_output), "X leaves only beside S0, through o's argument"
     SLOTS = 2                                          # S/U hand-over slots
     PRODUCER_REGS, CONSUMER_REGS = 40, 232
     GROUP = HV // H
@@ -79,7 +84,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_ht = T.dynamic("num_ht")
     num_walk = T.dynamic("num_walk")
     HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
-    O_SHAPE = (1, num_tokens, HV, V) if emit_output else (1, 1, 1, 1)
+    O_SHAPE = (1, num_tokens, HV, V) if emit_output or store_x else (1, 1, 1, 1)
 
     @T.prim_func
     def gdn_state_output_ws(
@@ -118,8 +123,11 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             if emit_output:
                 u_s = T.alloc_shared((SLOTS, C, BV), dtype)
                 o_s = T.alloc_shared((C, BV), dtype)  # output: O of a full chunk, the source of its TMA store
+            if store_x:
+                xh_s = T.alloc_shared((SLOTS, C, BV), dtype)   # X: state -> the S0 store's warpgroup, beside S
             # private to the state role
-            x_s = T.alloc_shared((C, BV), dtype)      # X = V - diag(Gamma) K S, then diag(Gamma_C / Gamma) U
+            x_s = T.alloc_shared((C, BV), dtype)      # X = V - diag(Gamma) K S (where not handed over), then
+                                                      # diag(Gamma_C / Gamma) U
 
             S = T.alloc_fragment((K, BV), accum)
             x = T.alloc_fragment((C, BV), accum)      # K S, X, then U
@@ -182,9 +190,14 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, BV):
                         x[r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * e_x[r], 0.0)
-                    T.copy(x, x_s)
-                    T.fence_proxy_async()
-                    T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)               # U = Tb X
+                    if store_x:  # in the hand-over slot, which the product reads as well (no extra copy)
+                        T.copy(x, xh_s[h, :, :])
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(a_s[s, :, :], xh_s[h, :, :], x, clear_accum=True)    # U = Tb X
+                    else:
+                        T.copy(x, x_s)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)               # U = Tb X
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, BV):
                         x[r, j] = T.if_then_else(r < n_valid, x[r, j], 0.0)
@@ -210,6 +223,15 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     h = i % SLOTS
                     T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
                     T.copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])
+                    if store_x:  # as O's stores: a full chunk by TMA, a tail's valid rows by threads
+                        t0 = bos + i * C
+                        n_valid = T.min(eos - t0, C)
+                        if n_valid == C:
+                            T.copy(xh_s[h, :, :], o[0, t0:t0 + C, hv, v0:v0 + BV])
+                        else:
+                            for r, j in T.Parallel(C, BV):
+                                if r < n_valid:
+                                    o[0, t0 + r, hv, v0 + j] = xh_s[h, r, j]
                     T.barrier_arrive(su_free[h])
             else:
                 # ---- output ----
