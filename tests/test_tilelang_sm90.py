@@ -328,8 +328,8 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
     FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
     longer than the SMs' even share; the staged one elsewhere (points of sessions 18 and 22's measurements, each
-    on the side that measured faster). GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one; any other value fails at import
-    with the variable named."""
+    on the side that measured faster), and the staged one where the forward kept S0. GDNKIT_SM90_FUSED_BACKWARD=1 / 0
+    forces one; any other value fails at import with the variable named."""
     import itertools
     import os
     import subprocess
@@ -344,11 +344,13 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     monkeypatch.setattr(forward, "_sm_count_of", lambda dev: 132)
     monkeypatch.setattr(forward, "_wide_route_available", lambda: True)
 
-    def saved(*lengths):
+    def saved(*lengths, kept=None):
         cu = torch.tensor([0, *itertools.accumulate(lengths)])
-        return types.SimpleNamespace(layout=seqlayout.sequence_layout(cu))
+        return types.SimpleNamespace(layout=seqlayout.sequence_layout(cu), hs=kept)
     cpu = torch.device("cpu")
     assert bwd.fused_pays(saved(8192), 32, cpu)                              # 16/32: 1.18x the staged path
+    # S0 kept by the forward (KEEP_STATES): the staged path reads it; the fused one would recompute it for X
+    assert not bwd.fused_pays(saved(8192, kept=torch.empty(0)), 32, cpu)
     assert bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 8, cpu)  # 4/8: 1.02x
     assert bwd.fused_pays(saved(8192), 8, cpu)                               # 4/8: 1.09x (session 22)
     assert bwd.fused_pays(saved(32768), 4, cpu)                              # 2/4: 1.18x
