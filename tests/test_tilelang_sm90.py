@@ -1135,19 +1135,18 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
 
     def run(q, k, xv, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dqk, dv, dg, dbeta, dh0, scale):
         assert xv.data_ptr() == dv.data_ptr()   # X costs no memory of its own
-        v = xv
-        grp = v.shape[2] // k.shape[2]
+        grp = xv.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
-            for hv in range(v.shape[2]):
-                dS = dinit[n, hv].double() if has_dinit else torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
+            for hv in range(xv.shape[2]):
+                dS = dinit[n, hv].double() if has_dinit else torch.zeros(k.shape[-1], xv.shape[-1], dtype=torch.float64)
                 for ic in reversed(range(-(-(eos - bos) // 64))):
                     t0 = bos + ic * 64
                     m = min(eos - t0, 64)
                     rows = lambda x: x[0, t0:t0 + m, hv].double()  # noqa: E731
                     qq, kk = q[0, t0:t0 + m, hv // grp].double(), k[0, t0:t0 + m, hv // grp].double()
                     gs, dO = gamma[hv, c0 + ic, :m].double(), rows(do)
-                    dse = dS.to(v.dtype).double()
+                    dse = dS.to(xv.dtype).double()
                     i = torch.arange(m)
                     P = torch.where(i[:, None] >= i[None, :], (qq @ kk.T) * torch.exp(gs[:, None] - gs[None, :]), 0.0)
                     dU = scale * P.T @ dO + torch.exp(gs[-1] - gs)[:, None] * (kk @ dse)
