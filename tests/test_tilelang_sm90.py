@@ -308,7 +308,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     # tile, transposed)
     assert src.count("wgmma_ss<") == 23
     assert src.count("tma_store(") == 2    # a full chunk's dv; dk's rows into its slot of S0's buffer
-    assert "tma_store(dqk_desc" in src and "*(uint1*)(dqk + " in src   # dq's by the threads, into the same slot
+    # dq's by the threads into the same slot, 16 bytes a store (group_sum.dq_slot_offset)
+    assert "tma_store(dqk_desc" in src and "*(uint4*)(dqk + " in src and "*(uint1*)(dqk + " not in src
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
     # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
     assert _element_loops_with_barriers(src) == 1 and src.count("stmatrix") >= 10
@@ -373,24 +374,33 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
                                                  ((0,), 2, 4, torch.bfloat16), ((33, 64), 1, 3, torch.float32)])
 def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
     """The fused backward's GVA sums (group_sum.py; Triton, interpreted on a CPU) from dq / dk per chunk and value
-    head: each token's rows from its chunk's slot, each key head's value heads added in fp32 and written in the
+    head: each token's rows from its chunk's slot (dq's in the kernel's accumulator order, dq_slot_offset: a
+    permutation of the slot that dq_from_slot undoes), each key head's value heads added in fp32 and written in the
     gradients' dtype, within one unit in its last place of the float64 sum (the interpreter's casts truncate); a
     group of one is a copy; a tail chunk's rows past its sequence, whatever they hold, are not read; the tokens past
     the last sequence are zero; no chunks, no launch."""
     pytest.importorskip("triton")
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90.group_sum import chunk_group_sums
+    from gdnkit.backends.tilelang_sm90.group_sum import chunk_group_sums, dq_from_slot, dq_slot_offset
+    rr, jj = torch.meshgrid(torch.arange(64), torch.arange(K), indexing="ij")
+    offsets = dq_slot_offset(rr, jj)
+    assert sorted(offsets.flatten().tolist()) == list(range(64 * K))
+    assert torch.equal(dq_from_slot(torch.zeros(64 * K, dtype=torch.long).index_put_((offsets.flatten(),),
+                                                                                      torch.arange(64 * K))),
+                       torch.arange(64 * K).view(64, K))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    layout, total, Kd = seqlayout.sequence_layout(cu), int(cu[-1]) + 5, 16
-    dqk = torch.randn(layout.n_chunks, HV, 2, 64, Kd, generator=torch.Generator().manual_seed(len(lengths)))
+    layout, total = seqlayout.sequence_layout(cu), int(cu[-1]) + 5
+    dqk = torch.randn(layout.n_chunks, HV, 2, 64, K, generator=torch.Generator().manual_seed(len(lengths)))
     dqk = dqk.to(torch.bfloat16)
     dq, dk = chunk_group_sums(dqk, layout, H, total, dtype)
-    want = torch.zeros(2, total, H, Kd, dtype=torch.float64)
+    rows = dqk.double()
+    rows[:, :, 0] = dq_from_slot(rows[:, :, 0].reshape(layout.n_chunks, HV, 64 * K))
+    want = torch.zeros(2, total, H, K, dtype=torch.float64)
     for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         for t in range(bos, eos):
             c, row = int(layout.chunk_offsets[n]) + (t - bos) // 64, (t - bos) % 64
-            want[:, t] = dqk[c, :, :, row].double().view(H, HV // H, 2, Kd).sum(1).transpose(0, 1)
-    assert dq.shape == dk.shape == (1, total, H, Kd) and dq.dtype == dk.dtype == dtype
+            want[:, t] = rows[c, :, :, row].view(H, HV // H, 2, K).sum(1).transpose(0, 1)
+    assert dq.shape == dk.shape == (1, total, H, K) and dq.dtype == dk.dtype == dtype
     tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
     for got, w in zip((dq, dk), want):
         assert torch.allclose(got[0].double(), w, rtol=tol, atol=tol)
@@ -1129,12 +1139,15 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
     """What the fused backward writes per (sequence or segment, value head), chunks last to first from its dinit
     row (or zero): the reverse pass's chain (dS_end rounded to bf16 as the kernel hands it over) and each chunk's
     chunk_local_grads, dq and dk per chunk and value head into dqk (S0's buffer: a chunk's slot written after its
-    S0 is read), dh0 at the run's start. It reads each chunk's X (xv: dv's buffer, from the recompute) before it
-    writes that chunk's dV there."""
+    S0 is read; dq's all 64 rows in group_sum.dq_slot_offset's order), dh0 at the run's start. It reads each
+    chunk's X (xv: dv's buffer, from the recompute) before it writes that chunk's dV there."""
     from gdnkit.backends.reference.chunked_backward import chunk_local_grads
+    from gdnkit.backends.tilelang_sm90.group_sum import dq_slot_offset
 
     def run(q, k, xv, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dqk, dv, dg, dbeta, dh0, scale):
         assert xv.data_ptr() == dv.data_ptr()   # X costs no memory of its own
+        rr, jj = torch.meshgrid(torch.arange(64), torch.arange(k.shape[-1]), indexing="ij")
+        slot = dq_slot_offset(rr, jj).flatten()
         grp = xv.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -1156,7 +1169,10 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
                     vv = rows(xv) + gs.exp()[:, None] * (kk @ s0)
                     got = chunk_local_grads(qq, kk, vv, dO, rows(beta), gs, tm[0, t0:t0 + m, hv, :m].double(),
                                             s0, dU, dX, dse, scale)
-                    dqk[c0 + ic, hv, :, :m] = torch.stack(got[:2]).to(dqk.dtype)
+                    dq = torch.zeros(64, k.shape[-1], dtype=torch.float64)   # all 64 rows, in the kernel's order
+                    dq[:m] = got[0]
+                    dqk[c0 + ic, hv, 0].view(-1)[slot] = dq.flatten().to(dqk.dtype)
+                    dqk[c0 + ic, hv, 1, :m] = got[1].to(dqk.dtype)
                     dg[0, t0:t0 + m, hv], dbeta[0, t0:t0 + m, hv] = got[2].float(), got[3].float()
                     dv[0, t0:t0 + m, hv] = dX.to(dv.dtype)
                     dS = (scale * qq.T @ (gs.exp()[:, None] * dO) + gs[-1].exp() * dS

@@ -39,8 +39,9 @@ paced the step the same way (~45400 clocks), hence the split (JOURNAL). Single-s
 next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
 chunk's loads).
 
-dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's rows then dk's), the host
-summing each key head's group in a fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
+dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's rows, in the order of g's
+accumulator since session 24 (group_sum.dq_slot_offset), then dk's), the host summing each key head's group in a
+fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
 passes S0's own buffer, each slot taken over once the chunk's S0 has landed from it (nothing reads it again), so
 the per-value-head gradients need no memory of their own (session 20: -256 MB of peak at 16/32 1x32768).
 
@@ -66,6 +67,7 @@ X's rows there (the next sequence's X, or its dV once that program has stored it
 import tilelang
 import tilelang.language as T
 
+from .group_sum import dq_slot_offset
 from .state_output import sequence_bounds
 
 CHUNK = 64
@@ -530,8 +532,11 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(pd_s, k_s, acc_g)
                     T.wait_wgmma(0)
                     c = c0 + chunk_of(n_chunks, i)
-                    for r, j in T.Parallel(C, K):   # a tail's rows past the sequence too: the slot is this program's
-                        dqk[c, hv, 0, r, j] = T.cast(acc_g[r, j], dtype)
+                    # a tail's rows past the sequence too (the slot is this program's), in the slot's thread-major
+                    # order (dq_slot_offset): 16-byte stores, each warp's contiguous
+                    for r, j in T.Parallel(C, K):
+                        f = dq_slot_offset(r, j)
+                        dqk[c, hv, 0, f // K, f % K] = T.cast(acc_g[r, j], dtype)
                     # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term
                     T.barrier_wait(u_ready, ph)
                     T.barrier_wait(ds_ready, ph)
@@ -595,3 +600,4 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                             dg[0, t0 + r, hv] = sfx[r]
 
     return gdn_backward_fused
+
