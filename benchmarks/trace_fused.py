@@ -48,8 +48,10 @@ EVENTS = {
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),
           ("gx_in", "T.barrier_wait(gx_ready, ph)"), ("h_in", "T.barrier_wait(h_ready, ph)"),
           ("pd_free", "T.barrier_arrive(pd_free)"), ("gp_in", "T.barrier_wait(gp_ready, ph)"),
-          # dk's store: into its slot of S0's buffer since session 20, through store_rows before
-          ("dk_out", ("T.copy(gx_s, dqk[c, hv, 1, 0:C, 0:K])", "store_rows(acc_g, gx_s, dk, t0, hv, n_valid)")),
+          # dk's store: by g's threads in its accumulator's order since session 24, into its slot of S0's buffer
+          # through dX's tile by TMA since session 20, through store_rows before
+          ("dk_out", ("store_slot(acc_g, dqk, c, hv, 1)", "T.copy(gx_s, dqk[c, hv, 1, 0:C, 0:K])",
+                      "store_rows(acc_g, gx_s, dk, t0, hv, n_valid)")),
           ("end", "T.barrier_arrive(h_free)")],
 }
 N_EVENTS = max(len(v) for v in EVENTS.values())

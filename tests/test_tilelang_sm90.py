@@ -307,9 +307,9 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     # owner 2, x 8 (dX twice; X comes from the recompute), p 6 (K K^T again), g 7 (H K, and H^T K from the same
     # tile, transposed)
     assert src.count("wgmma_ss<") == 23
-    assert src.count("tma_store(") == 2    # a full chunk's dv; dk's rows into its slot of S0's buffer
-    # dq's by the threads into the same slot, 16 bytes a store (group_sum.dq_slot_offset)
-    assert "tma_store(dqk_desc" in src and "*(uint4*)(dqk + " in src and "*(uint1*)(dqk + " not in src
+    assert src.count("tma_store(") == 1    # a full chunk's dv
+    # dq's and dk's by the threads into their slots of S0's buffer, 16 bytes a store (group_sum.slot_offset)
+    assert src.count("*(uint4*)(dqk + ") == 2 and "*(uint1*)(dqk + " not in src
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
     # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
     assert _element_loops_with_barriers(src) == 1 and src.count("stmatrix") >= 10
@@ -374,18 +374,18 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
                                                  ((0,), 2, 4, torch.bfloat16), ((33, 64), 1, 3, torch.float32)])
 def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
     """The fused backward's GVA sums (group_sum.py; Triton, interpreted on a CPU) from dq / dk per chunk and value
-    head: each token's rows from its chunk's slot (dq's in the kernel's accumulator order, dq_slot_offset: a
-    permutation of the slot that dq_from_slot undoes), each key head's value heads added in fp32 and written in the
+    head: each token's rows from its chunk's slots (in the kernel's accumulator order, slot_offset: a permutation
+    of the slot that rows_from_slot undoes), each key head's value heads added in fp32 and written in the
     gradients' dtype, within one unit in its last place of the float64 sum (the interpreter's casts truncate); a
-    group of one is a copy; a tail chunk's rows past its sequence, whatever they hold, are not read; the tokens past
-    the last sequence are zero; no chunks, no launch."""
+    group of one is a copy; a tail chunk's rows past its sequence, whatever they hold, stay out of the output; the
+    tokens past the last sequence are zero; no chunks, no launch."""
     pytest.importorskip("triton")
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90.group_sum import chunk_group_sums, dq_from_slot, dq_slot_offset
+    from gdnkit.backends.tilelang_sm90.group_sum import chunk_group_sums, rows_from_slot, slot_offset
     rr, jj = torch.meshgrid(torch.arange(64), torch.arange(K), indexing="ij")
-    offsets = dq_slot_offset(rr, jj)
+    offsets = slot_offset(rr, jj)
     assert sorted(offsets.flatten().tolist()) == list(range(64 * K))
-    assert torch.equal(dq_from_slot(torch.zeros(64 * K, dtype=torch.long).index_put_((offsets.flatten(),),
+    assert torch.equal(rows_from_slot(torch.zeros(64 * K, dtype=torch.long).index_put_((offsets.flatten(),),
                                                                                       torch.arange(64 * K))),
                        torch.arange(64 * K).view(64, K))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -393,8 +393,7 @@ def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
     dqk = torch.randn(layout.n_chunks, HV, 2, 64, K, generator=torch.Generator().manual_seed(len(lengths)))
     dqk = dqk.to(torch.bfloat16)
     dq, dk = chunk_group_sums(dqk, layout, H, total, dtype)
-    rows = dqk.double()
-    rows[:, :, 0] = dq_from_slot(rows[:, :, 0].reshape(layout.n_chunks, HV, 64 * K))
+    rows = rows_from_slot(dqk.double().reshape(layout.n_chunks, HV, 2, 64 * K))
     want = torch.zeros(2, total, H, K, dtype=torch.float64)
     for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         for t in range(bos, eos):
@@ -1139,15 +1138,15 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
     """What the fused backward writes per (sequence or segment, value head), chunks last to first from its dinit
     row (or zero): the reverse pass's chain (dS_end rounded to bf16 as the kernel hands it over) and each chunk's
     chunk_local_grads, dq and dk per chunk and value head into dqk (S0's buffer: a chunk's slot written after its
-    S0 is read; dq's all 64 rows in group_sum.dq_slot_offset's order), dh0 at the run's start. It reads each
+    S0 is read; all 64 rows of each in group_sum.slot_offset's order), dh0 at the run's start. It reads each
     chunk's X (xv: dv's buffer, from the recompute) before it writes that chunk's dV there."""
     from gdnkit.backends.reference.chunked_backward import chunk_local_grads
-    from gdnkit.backends.tilelang_sm90.group_sum import dq_slot_offset
+    from gdnkit.backends.tilelang_sm90.group_sum import slot_offset
 
     def run(q, k, xv, do, a, tm, hs, gamma, beta, cu, chunk_offsets, dinit, dqk, dv, dg, dbeta, dh0, scale):
         assert xv.data_ptr() == dv.data_ptr()   # X costs no memory of its own
         rr, jj = torch.meshgrid(torch.arange(64), torch.arange(k.shape[-1]), indexing="ij")
-        slot = dq_slot_offset(rr, jj).flatten()
+        slot = slot_offset(rr, jj).flatten()
         grp = xv.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -1169,10 +1168,9 @@ def _backward_fused_stand_in(has_dinit, store_dh0):
                     vv = rows(xv) + gs.exp()[:, None] * (kk @ s0)
                     got = chunk_local_grads(qq, kk, vv, dO, rows(beta), gs, tm[0, t0:t0 + m, hv, :m].double(),
                                             s0, dU, dX, dse, scale)
-                    dq = torch.zeros(64, k.shape[-1], dtype=torch.float64)   # all 64 rows, in the kernel's order
-                    dq[:m] = got[0]
-                    dqk[c0 + ic, hv, 0].view(-1)[slot] = dq.flatten().to(dqk.dtype)
-                    dqk[c0 + ic, hv, 1, :m] = got[1].to(dqk.dtype)
+                    dqdk = torch.zeros(2, 64, k.shape[-1], dtype=torch.float64)   # all 64 rows, the kernel's order
+                    dqdk[:, :m] = torch.stack(got[:2])
+                    dqk[c0 + ic, hv].view(2, -1)[:, slot] = dqdk.flatten(1).to(dqk.dtype)
                     dg[0, t0:t0 + m, hv], dbeta[0, t0:t0 + m, hv] = got[2].float(), got[3].float()
                     dv[0, t0:t0 + m, hv] = dX.to(dv.dtype)
                     dS = (scale * qq.T @ (gs.exp()[:, None] * dO) + gs[-1].exp() * dS

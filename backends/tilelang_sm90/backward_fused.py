@@ -39,16 +39,16 @@ paced the step the same way (~45400 clocks), hence the split (JOURNAL). Single-s
 next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
 chunk's loads).
 
-dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's rows, in the order of g's
-accumulator since session 24 (group_sum.dq_slot_offset), then dk's), the host summing each key head's group in a
-fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
+dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's, then dk's, each in the
+order of g's accumulator since session 24, group_sum.slot_offset: 16-byte stores by g's threads), the host summing
+each key head's group in a fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
 passes S0's own buffer, each slot taken over once the chunk's S0 has landed from it (nothing reads it again), so
 the per-value-head gradients need no memory of their own (session 20: -256 MB of peak at 16/32 1x32768).
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
     loaded (the owner's loads)                 ds_ready (owner)  ds_free (x, g)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
-    gx_ready (x)        gx_read (owner)        gx_free (g: dk's store through the tile is done)
+    gx_ready (x)        gx_free (g: its product has read the tile; the owner's read precedes its next ds_ready)
     pd_ready (p)        pd_free (g: its products with dPD and with K are done)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile, its last read of X)
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
@@ -67,7 +67,7 @@ X's rows there (the next sequence's X, or its dV once that program has stored it
 import tilelang
 import tilelang.language as T
 
-from .group_sum import dq_slot_offset
+from .group_sum import slot_offset
 from .state_output import sequence_bounds
 
 CHUNK = 64
@@ -171,6 +171,15 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     out[0, t0 + r, hv, j] = stage[r, j]
 
     @T.macro
+    def store_slot(acc, dqk, c, hv, which):
+        """dq (which 0) or dk (1) of a chunk into its slot, all 64 rows (a tail's past the sequence too: the slot is
+        this program's), in the order of g's accumulator (group_sum.slot_offset): 8 stores of 16 bytes a thread, a
+        warp's 512 bytes contiguous, where row-major rows took 32 stores of 4 bytes a thread (~2000 clocks)."""
+        for r, j in T.Parallel(C, K):
+            f = slot_offset(r, j)
+            dqk[c, hv, which, f // K, f % K] = T.cast(acc[r, j], dtype)
+
+    @T.macro
     def masked(keep, value, g_s, hi, lo):
         """value * exp(g_hi - g_lo) where keep, else 0, without a branch: the selects take cheap operands and the
         exponential runs on 0 where not kept (a select around the exponential itself is lowered to a branch per
@@ -223,7 +232,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             ds_s = T.alloc_shared((K, V), dtype)      # bf16 dS_end: owner -> x, g
             u_s = T.alloc_shared((C, V), dtype)       # U: x -> p, g
             du_s = T.alloc_shared((C, V), dtype)      # dU (x's), then dV's staging for its TMA store
-            gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g; then dk's staging (g)
+            gx_s = T.alloc_shared((C, V), dtype)      # -Gamma dX: x -> owner, g
             p_s = T.alloc_shared((C, C), dtype)       # P (p -> x), x's dT and M (P read by dU), dA (.) D (x -> p)
             pd_s = T.alloc_shared((C, C), dtype)      # dPD: p -> g
             h_s = T.alloc_shared((C, C), dtype)       # H (strictly lower): x -> g, p
@@ -275,7 +284,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             s0_free = T.alloc_barrier(arrive_count=128)
             tot_ready = T.alloc_barrier(arrive_count=128)
             gx_ready = T.alloc_barrier(arrive_count=128)
-            gx_read = T.alloc_barrier(arrive_count=128)
             gx_free = T.alloc_barrier(arrive_count=128)
             pd_ready = T.alloc_barrier(arrive_count=128)
             pd_free = T.alloc_barrier(arrive_count=128)
@@ -332,7 +340,6 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_wait(gx_ready, ph)
                     T.wgmma_gemm(k_s, gx_s, dS, transpose_A=True)              # - K^T Gamma dX
                     T.wait_wgmma(0)
-                    T.barrier_arrive(gx_read)
                     # idle until the next chunk: it reloads S0 and X once x (before m_ready), p (du_free) and g
                     # (s0_free) have read them, Q after g's dPD^T Q (q_free), T and the gates once x's and p's
                     # passes over them are done (h_ready, tg_read), Tb after x's last product (tb_free), and K after
@@ -532,11 +539,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(pd_s, k_s, acc_g)
                     T.wait_wgmma(0)
                     c = c0 + chunk_of(n_chunks, i)
-                    # a tail's rows past the sequence too (the slot is this program's), in the slot's thread-major
-                    # order (dq_slot_offset): 16-byte stores, each warp's contiguous
-                    for r, j in T.Parallel(C, K):
-                        f = dq_slot_offset(r, j)
-                        dqk[c, hv, 0, f // K, f % K] = T.cast(acc_g[r, j], dtype)
+                    store_slot(acc_g, dqk, c, hv, 0)
                     # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term
                     T.barrier_wait(u_ready, ph)
                     T.barrier_wait(ds_ready, ph)
@@ -560,6 +563,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(gx_s, s0_s, acc_g, transpose_B=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(s0_free)                  # its last read of S0: the next chunk's
+                    T.barrier_arrive(gx_free)                  # and of dX's tile (the owner's came before ds_ready)
                     row_dot(acc_g, k_s, tmp_g, row_g)
                     for r in T.Parallel(C):
                         dgam[r] += row_g[r] - 2.0 * de_g[r]
@@ -571,15 +575,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(h_s, k_s, acc_g, transpose_A=True)                     # + H^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(pd_free)                  # K's last reader: the next chunk's K may land
-                    # dk leaves by one TMA store through dX's tile once the owner has read it (gx_read; g's own
-                    # product above), where x writes the next chunk's only after gx_free; Q's tile, as before
-                    # session 17, held the next chunk's loads back to this point
+                    # dk as dq (until session 24 by one TMA store through dX's tile, once the owner had read it:
+                    # ~2000 clocks of g's tail from gp_ready)
+                    store_slot(acc_g, dqk, c, hv, 1)
                     T.barrier_wait(gp_ready, ph)
-                    T.barrier_wait(gx_read, ph)
-                    T.copy(acc_g, gx_s)
-                    T.fence_proxy_async()
-                    T.copy(gx_s, dqk[c, hv, 1, 0:C, 0:K])
-                    T.barrier_arrive(gx_free)
                     for r in T.Parallel(C):
                         dg_s[r] = T.if_then_else(
                             r < n_valid,

@@ -1,6 +1,6 @@
 """The fused backward's dq / dk, written per chunk and value head (backward_fused.py: dqk [n_chunks, HV, 2, 64, K],
-dq's [64, 128] in the order dq_slot_offset gives, then dk's rows, in S0's buffer), summed over each key head's group
-of value heads (GVA) in value head order with fp32 sums and written in the gradients' dtype at their tokens: one
+dq's [64, 128] then dk's, each in the order slot_offset gives, in S0's buffer), summed over each key head's group of
+value heads (GVA) in value head order with fp32 sums and written in the gradients' dtype at their tokens: one
 Triton launch for both. torch's reduction
 over the group dimension and the cast after it took 0.76 ms of the fused path's 4.7 at 16/32 1x32768 (both
 tensors; H200, session 16's stages), ~3x what their ~0.8 GB of reads and writes take at the HBM's rate."""
@@ -19,8 +19,8 @@ except ImportError:  # the torch form below serves
     triton = None
 
 
-def dq_slot_offset(r, j):
-    """Where element (r, j) of a chunk's [64, 128] dq goes in its 8192-element slot of dqk: the order the fused
+def slot_offset(r, j):
+    """Where element (r, j) of a chunk's [64, 128] dq or dk goes in its 8192-element slot of dqk: the order the fused
     kernel's g accumulator holds it in (wgmma's m64n128 layout: thread (r // 16) * 32 + r % 8 * 4 + j % 8 // 2, its
     value (j // 8) * 4 + r % 16 // 8 * 2 + j % 2), as [8 value blocks, 128 threads, 8 values], so that each thread
     stores 8 values at once and a warp's 32 threads 512 contiguous bytes (row-major, g made 32 stores of 4 bytes a
@@ -37,8 +37,8 @@ _SLOT_DIGITS = (8, 4, 8, 4, 2, 2, 2)
 _SLOT_TO_ROWS = (1, 5, 2, 0, 4, 3, 6)
 
 
-def dq_from_slot(flat: torch.Tensor) -> torch.Tensor:
-    """[..., 8192] slots in dq_slot_offset's order -> [..., 64, 128] rows."""
+def rows_from_slot(flat: torch.Tensor) -> torch.Tensor:
+    """[..., 8192] slots in slot_offset's order -> [..., 64, 128] rows."""
     lead = flat.shape[:-1]
     x = flat.reshape(*lead, *_SLOT_DIGITS).permute(*range(len(lead)), *(len(lead) + d for d in _SLOT_TO_ROWS))
     return x.reshape(*lead, 64, 128)
@@ -47,10 +47,11 @@ def dq_from_slot(flat: torch.Tensor) -> torch.Tensor:
 def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """dqk [n_chunks, HV, 2, C, K] -> (dq, dk) [1, total, H, K] in dtype: each token's rows from its chunk's slots
-    (layout: seqlayout.SequenceLayout, whose chunks dqk's are; a tail chunk's rows past its sequence are not
-    read), each key head's HV // H value heads summed in order in fp32. Tokens past the last sequence are zero."""
+    (layout: seqlayout.SequenceLayout, whose chunks dqk's are; a tail chunk's rows past its sequence are summed
+    with the rest, the slots being read whole, and not stored), each key head's HV // H value heads summed in order
+    in fp32. Tokens past the last sequence are zero."""
     n_chunks, HV, _, C, K = dqk.shape
-    assert (C, K) == (64, 128), "dq_slot_offset's order is for [64, 128] slots"
+    assert (C, K) == (64, 128), "slot_offset's order is for [64, 128] slots"
     dq, dk = (seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dqk.device, dtype=dtype)
               for _ in range(2))
     if not n_chunks:
@@ -70,7 +71,7 @@ def _sums_torch(dqk, layout, H, dq, dk):
     tokens = cu[seq][:, None] + within[:, None] * C + torch.arange(C, device=dqk.device)   # [n_chunks, C]
     valid = tokens < cu[seq + 1][:, None]
     sums = dqk.view(n_chunks, H, HV // H, 2, C, K).float().sum(2)                            # [n_chunks, H, 2, C, K]
-    sums[:, :, 0] = dq_from_slot(sums[:, :, 0].reshape(n_chunks, H, C * K))
+    sums = rows_from_slot(sums.reshape(n_chunks, H, 2, C * K))
     for which, out in enumerate((dq, dk)):
         out[0, tokens[valid]] = sums[:, :, which].transpose(1, 2)[valid].to(out.dtype)
 
@@ -79,8 +80,8 @@ if triton is not None:
     @triton.jit
     def _chunk_group_sums_kernel(dqk, chunk_indices, cu_seqlens, dq, dk, H: tl.constexpr, G: tl.constexpr,
                                  C: tl.constexpr, K: tl.constexpr):
-        """One program per (chunk, key head): its G value heads' dq slots added in order (in dq_slot_offset's
-        order: all 64 rows are the kernel's, a tail's too), then their dk rows."""
+        """One program per (chunk, key head): its G value heads' dq slots added in order (in slot_offset's order: all
+        64 rows are the kernel's, a tail's too), then their dk slots."""
         c = tl.program_id(0)
         h = tl.program_id(1)
         seq = tl.load(chunk_indices + 2 * c)
@@ -90,16 +91,10 @@ if triton is not None:
         m = (t0 + r < tl.load(cu_seqlens + seq + 1))[:, None]
         rows = (t0 + r).to(tl.int64)[:, None]
         for which in tl.static_range(2):
-            if which == 0:
-                flat = tl.zeros([C * K], dtype=tl.float32)
-                for j in tl.static_range(G):
-                    slot = ((c * (H * G) + h * G + j) * 2).to(tl.int64) * (C * K)
-                    flat += tl.load(dqk + slot + tl.arange(0, C * K)).to(tl.float32)
-                acc = tl.reshape(tl.permute(tl.reshape(flat, (8, 4, 8, 4, 2, 2, 2)), (1, 5, 2, 0, 4, 3, 6)), (C, K))
-            else:
-                acc = tl.zeros([C, K], dtype=tl.float32)
-                for j in tl.static_range(G):
-                    slot = ((c * (H * G) + h * G + j) * 2 + 1).to(tl.int64) * (C * K)
-                    acc += tl.load(dqk + slot + r[:, None] * K + k[None, :], mask=m, other=0.0).to(tl.float32)
+            flat = tl.zeros([C * K], dtype=tl.float32)
+            for j in tl.static_range(G):
+                slot = ((c * (H * G) + h * G + j) * 2 + which).to(tl.int64) * (C * K)
+                flat += tl.load(dqk + slot + tl.arange(0, C * K)).to(tl.float32)
+            acc = tl.reshape(tl.permute(tl.reshape(flat, (8, 4, 8, 4, 2, 2, 2)), (1, 5, 2, 0, 4, 3, 6)), (C, K))
             out = dq if which == 0 else dk
             tl.store(out + (rows * H + h) * K + k[None, :], acc.to(out.dtype.element_ty), mask=m)
