@@ -31,7 +31,8 @@ EVENTS = {
               ("tb_in", "T.barrier_wait(tb_free, ph)"),
               # the last load the owner issues for the next chunk: K alone since session 18's second form, Q and
               # K in its first, Q, K, T and the gates before (kept so --source traces the older forms too)
-              ("end", ("load_k(k, k_s, loaded, bos, n_chunks, hk, i + 1)",
+              ("end", ("load_k(k, k_s, k_loaded, bos, n_chunks, hk, i + 1)",
+                       "load_k(k, k_s, loaded, bos, n_chunks, hk, i + 1)",
                        "load_qk(q, k, q_s, k_s, loaded, bos, n_chunks, hk, i + 1)", "hk, hv, i + 1)"))],
     "x": [("landed", "landed(loaded,"), ("u_ready", "T.barrier_arrive(u_ready)"),
           ("ds_in", "T.barrier_wait(ds_ready, ph)"), ("p_in", "T.barrier_wait(p_ready, ph)"),

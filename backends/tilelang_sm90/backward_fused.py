@@ -46,7 +46,8 @@ passes S0's own buffer, each slot taken over once the chunk's S0 has landed from
 the per-value-head gradients need no memory of their own (session 20: -256 MB of peak at 16/32 1x32768).
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
-    loaded (the owner's loads)                 ds_ready (owner)  ds_free (x, g)
+    loaded (the owner's loads but K's)         ds_ready (owner)  ds_free (x, g)
+    k_loaded (the owner's load of K)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
     gx_ready (x)        gx_free (g: its product has read the tile; the owner's read precedes its next ds_ready)
     pd_ready (p)        pd_free (g: its products with dPD and with K are done)
@@ -106,7 +107,11 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # `loaded` (whose phase for chunk i + 1 is open once every role has waited for chunk i's). The owner, idle
     # after its second product, issues them all: dO (its own product is dO's last reader), S0 and X (m_ready,
     # du_free, s0_free), Q (q_free), T and the gates (h_ready, tg_read: only x and p read them late), Tb
-    # (tb_free), then K (pd_free: g's products with H), whose macro's arrival of its 128 threads closes the phase.
+    # (tb_free), whose macro's arrival of its 128 threads closes the phase; then K (pd_free: g's products with H)
+    # on a barrier of its own, k_loaded (session 24): the roles start a chunk on `loaded` and wait for K only
+    # where they first read it (x before K dS_end, p before Q K^T, g before dPD K, the owner before its K^T
+    # product), so x's U and the owner's hand-over of dS_end run while K, issued last, is still landing. Both
+    # barriers complete once a chunk (parity i % 2); K's next load follows every role's K wait of this chunk.
     # Session 17's first form had x issue them and wait for those barriers between its own products (run A: x
     # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
     # chunk's end (~3300 clocks from it to the next chunk); until session 18 T, the gates and Q waited with K for
@@ -131,7 +136,9 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
 
     @T.macro
     def load_tb(a, tb_s, loaded, bos, n_chunks, hv, i):
+        """The last load on `loaded`, and the owner's arrival that closes its phase."""
         T.tma_copy(a[0, rows(bos, n_chunks, i), hv, 0:C], tb_s, barrier=loaded)
+        T.barrier_arrive(loaded)
 
     @T.macro
     def load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i):
@@ -143,10 +150,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         T.tma_copy(q[0, rows(bos, n_chunks, i), hk, 0:K], q_s, barrier=loaded)
 
     @T.macro
-    def load_k(k, k_s, loaded, bos, n_chunks, hk, i):
-        """The chunk's last load, and the owner's arrival that closes its phase."""
-        T.tma_copy(k[0, rows(bos, n_chunks, i), hk, 0:K], k_s, barrier=loaded)
-        T.barrier_arrive(loaded)
+    def load_k(k, k_s, k_loaded, bos, n_chunks, hk, i):
+        """The chunk's last load, on k_loaded, and the owner's arrival that closes its phase."""
+        T.tma_copy(k[0, rows(bos, n_chunks, i), hk, 0:K], k_s, barrier=k_loaded)
+        T.barrier_arrive(k_loaded)
 
     @T.macro
     def landed(loaded, bos, eos, n_chunks, i):
@@ -270,6 +277,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=128)
+            k_loaded = T.alloc_barrier(arrive_count=128)
             ds_ready = T.alloc_barrier(arrive_count=128)
             ds_free = T.alloc_barrier(arrive_count=256)
             u_ready = T.alloc_barrier(arrive_count=128)
@@ -303,10 +311,10 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                 if n_chunks > 0:
                     load_do(do, do_s, loaded, bos, n_chunks, hv, 0)
                     load_s0_x(hs, xv, s0_s, x_s, loaded, bos, c0, n_chunks, hv, 0)
-                    load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
                     load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, 0)
                     load_q(q, q_s, loaded, bos, n_chunks, hk, 0)
-                    load_k(k, k_s, loaded, bos, n_chunks, hk, 0)
+                    load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
+                    load_k(k, k_s, k_loaded, bos, n_chunks, hk, 0)
                 for i in T.serial(n_chunks):
                     ph, _, n_valid = landed(loaded, bos, eos, n_chunks, i)
                     T.barrier_wait(ds_free, ph ^ 1)            # x and g have read the previous dS_end
@@ -338,6 +346,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     if i + 1 < n_chunks:                        # dO's last reader was that product
                         load_do(do, do_s, loaded, bos, n_chunks, hv, i + 1)
                     T.barrier_wait(gx_ready, ph)
+                    T.barrier_wait(k_loaded, ph)
                     T.wgmma_gemm(k_s, gx_s, dS, transpose_A=True)              # - K^T Gamma dX
                     T.wait_wgmma(0)
                     # idle until the next chunk: it reloads S0 and X once x (before m_ready), p (du_free) and g
@@ -357,7 +366,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         T.barrier_wait(tb_free, ph)
                         load_tb(a, tb_s, loaded, bos, n_chunks, hv, i + 1)
                         T.barrier_wait(pd_free, ph)
-                        load_k(k, k_s, loaded, bos, n_chunks, hk, i + 1)
+                        load_k(k, k_s, k_loaded, bos, n_chunks, hk, i + 1)
                 if store_dh0:
                     T.copy(dS, dh0[n, hv, 0:K, 0:V])
             elif tx < 256:
@@ -388,6 +397,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.fence_proxy_async()
                     T.barrier_arrive(u_ready)
                     T.barrier_wait(ds_ready, ph)
+                    T.barrier_wait(k_loaded, ph)
                     T.wgmma_gemm(k_s, ds_s, acc_x, clear_accum=True)               # K dS_end
                     T.wait_wgmma(0)
                     T.barrier_arrive(ds_free)
@@ -452,6 +462,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                 T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
+                    T.barrier_wait(k_loaded, ph)
                     T.wgmma_gemm(q_s, k_s, f1, transpose_B=True, clear_accum=True)     # Q K^T
                     T.wait_wgmma(0)
                     for r, c in T.Parallel(C, C):
@@ -536,6 +547,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         acc_g[r, j] = acc_g[r, j] * sg_g[r]
                     row_dot(acc_g, q_s, tmp_g, dgam)
                     T.barrier_wait(pd_ready, ph)
+                    T.barrier_wait(k_loaded, ph)
                     T.wgmma_gemm(pd_s, k_s, acc_g)
                     T.wait_wgmma(0)
                     c = c0 + chunk_of(n_chunks, i)
