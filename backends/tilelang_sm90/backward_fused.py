@@ -611,4 +611,3 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                             dg[0, t0 + r, hv] = sfx[r]
 
     return gdn_backward_fused
-
