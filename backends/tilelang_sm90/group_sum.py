@@ -1,9 +1,9 @@
 """The fused backward's dq / dk, written per chunk and value head (backward_fused.py: dqk [n_chunks, HV, 2, 64, K],
 dq's [64, 128] then dk's, each in the order slot_offset gives, in S0's buffer), summed over each key head's group of
 value heads (GVA) in value head order with fp32 sums and written in the gradients' dtype at their tokens: one
-Triton launch for both. torch's reduction
-over the group dimension and the cast after it took 0.76 ms of the fused path's 4.7 at 16/32 1x32768 (both
-tensors; H200, session 16's stages), ~3x what their ~0.8 GB of reads and writes take at the HBM's rate."""
+Triton launch for both. torch's reduction over the group dimension and the cast after it took 0.76 ms of the fused
+path's 4.7 at 16/32 1x32768 (both tensors; H200, session 16's stages), ~3x what their ~0.8 GB of reads and writes
+take at the HBM's rate."""
 from __future__ import annotations
 
 import os
