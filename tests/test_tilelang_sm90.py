@@ -307,6 +307,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     # owner 2, x 8 (dX twice; X comes from the recompute), p 6 (K K^T again), g 7 (H K, and H^T K from the same
     # tile, transposed)
     assert src.count("wgmma_ss<") == 23
+    # K lands on a barrier of its own, each role waiting for it once before its first product with K
+    assert src.count("k_loaded[0].wait(") == 4 and src.count("k_loaded[0].arrive()") == 2
     assert src.count("tma_store(") == 1    # a full chunk's dv
     # dq's and dk's by the threads into their slots of S0's buffer, 16 bytes a store (group_sum.slot_offset)
     assert src.count("*(uint4*)(dqk + ") == 2 and "*(uint1*)(dqk + " not in src
