@@ -180,8 +180,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     @T.macro
     def store_slot(acc, dqk, c, hv, which):
         """dq (which 0) or dk (1) of a chunk into its slot, all 64 rows (a tail's past the sequence too: the slot is
-        this program's), in the order of g's accumulator (group_sum.slot_offset): 8 stores of 16 bytes a thread, a
-        warp's 512 bytes contiguous, where row-major rows took 32 stores of 4 bytes a thread (~2000 clocks)."""
+        this program's), in the order of g's accumulator: 16-byte stores (group_sum.slot_offset says why)."""
         for r, j in T.Parallel(C, K):
             f = slot_offset(r, j)
             dqk[c, hv, which, f // K, f % K] = T.cast(acc[r, j], dtype)

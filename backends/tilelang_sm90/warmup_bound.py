@@ -1,8 +1,9 @@
 """The decay bound's tests on the device (warmup.py says why the bound suffices), each in two Triton launches:
 warmup.transitions_needed, per (segment, value head) whether a warm-up of fixed length (warmup.fixed_warmup)
 brings the summed norm bound below LOG_BOUND, and the flag of the segment whose transition is needed where it
-does not (warmup.reverse_warmup: also the fewest of those chunks that do); warmup.walk_lengths, per (segment, value head) the fewest chunks next to the segment that do, or all of
-them to the sequence's boundary (the chained route's walks).
+does not (warmup.reverse_warmup: also the fewest of those chunks that do); warmup.walk_lengths, per (segment,
+value head) the fewest chunks next to the segment that do, or all of them to the sequence's boundary (the chained
+route's walks).
 
     1. chunk sums: the bound's log summed per chunk and value head (float64), each program one chunk's 64 tokens
        and one key head's group: for the flags per (segment, chunk of its fixed window) into [n_seg, window, HV];
