@@ -44,8 +44,10 @@ EVENTS = {
           ("du_in", "T.barrier_wait(du_ready, ph)"),
           # its A terms' start: x's H (session 18), or x's M for its own H^T (before)
           ("late_in", ("T.barrier_wait(h_ready, ph)", "T.barrier_wait(m_ready, ph)")),
+          # dq's store: p's since session 25 (g's before: p's do_read arrival, after its column-term products)
+          ("dq_out", ("store_slot(acc_p, dqk, c, hv, 0)", "T.barrier_arrive(do_read)")),
           ("gp_ready", "T.barrier_arrive(gp_ready)")],
-    "g": [("landed", "landed(loaded,"), ("dq_first", "T.barrier_arrive(do_read)"),
+    "g": [("landed", "landed(loaded,"), ("dk_first", "T.barrier_arrive(u_free)"),
           ("pd_in", "T.barrier_wait(pd_ready, ph)"), ("ds_in", "T.barrier_wait(ds_ready, ph)"),
           ("gx_in", "T.barrier_wait(gx_ready, ph)"), ("h_in", "T.barrier_wait(h_ready, ph)"),
           ("pd_free", "T.barrier_arrive(pd_free)"), ("gp_in", "T.barrier_wait(gp_ready, ph)"),

@@ -304,14 +304,15 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "mma_sync" not in src
-    # owner 2, x 8 (dX twice; X comes from the recompute), p 6 (K K^T again), g 7 (H K, and H^T K from the same
-    # tile, transposed)
-    assert src.count("wgmma_ss<") == 23
+    # owner 2, x 8 (dX twice; X comes from the recompute), p 5 (K K^T again; dq's dPD K since session 25, its
+    # column-term products gone), g 6 (dq's dO S0^T; H K, and H^T K from the same tile, transposed)
+    assert src.count("wgmma_ss<") == 21
     # K lands on a barrier of its own, each role waiting for it once before its first product with K
     assert src.count("k_loaded[0].wait(") == 4 and src.count("k_loaded[0].arrive()") == 2
     assert src.count("tma_store(") == 1    # a full chunk's dv
-    # dq's and dk's by the threads into their slots of S0's buffer, 16 bytes a store (group_sum.slot_offset)
-    assert src.count("*(uint4*)(dqk + ") == 2 and "*(uint1*)(dqk + " not in src
+    # dq's and dk's by the threads into their slots of S0's buffer, 16 bytes a store (group_sum.slot_offset): g's
+    # dq term and dk, p's read of that term and its dq
+    assert src.count("*(uint4*)(dqk + ") == 4 and "*(uint1*)(dqk + " not in src
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
     # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
     assert _element_loops_with_barriers(src) == 1 and src.count("stmatrix") >= 10
@@ -322,6 +323,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     # hardware barriers 1 and 2 of 128 threads: g's waits for tot_ready, which the owner arrives after its own
     reductions = re.findall(r"AllReduce<tl::SumOp, 128, (\d+), (\d+), tl::NamedBarrier<128>>", src)
     assert sorted(reductions) == [("1", "0"), ("32", "384")], reductions
+    # p's column sums (dgamma's column term) stay off those barriers: shuffles across a column's 8 lanes, 3 steps
+    assert src.count("__shfl_xor_sync(") == 3
     assert src.count("tot_ready[0].wait") == 1
     assert src.index("tot_ready[0].wait") < src.index("AllReduce<tl::SumOp, 128, 32, 384")
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
@@ -440,7 +443,7 @@ def test_fused_backward_trace_stamps_every_role():
     stamps[0, 0, :, :, 0] = torch.tensor([0, 1000, 2500])                   # every role lands with the owner
     stamps[0, 0, 3, :, 1] = torch.tensor([10, 1100, 2620])                  # g's second event
     summary = tf.summarize(stamps)
-    assert summary["step"] == 1500 and summary["events"]["g.dq_first"] == 110
+    assert summary["step"] == 1500 and summary["events"]["g.dk_first"] == 110
     assert summary["events"]["x.landed"] == 0 and summary["events"]["p.gp_ready"] is None
 
 

@@ -22,14 +22,18 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              dU = (Gamma_C / Gamma) K dS_end + P^T dO, dX = Tb^T dU -> -Gamma dX for the owner
                              and g; then, while the owner closes the chain, most of the solve's backward from dU
                              (dT, M, then M T^T: dA (.) D and H's lower triangle) and dv
-    p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms; then the rest of
-                             the solve's: dbeta's X dU^T term, and once x has written dA (.) D and H, the A terms
-                             of dbeta and dgamma with K K^T (H's tile read transposed for the columns)
-    g     (threads 384-511)  dq and dk (one [64, 128] accumulator), dgamma's O, X and state terms from the
-                             accumulator's rows against Q or K, and dg
+    p     (threads 256-383)  the 64 x 64 work that needs no dS: P, dPD, and dgamma's P terms (the rows of
+                             P (.) dP minus its columns); then the rest of the solve's: dbeta's X dU^T term, K K^T,
+                             dq (dPD K added to g's term), and once x has written dA (.) D and H, the A terms of
+                             dbeta and dgamma with K K^T (H's tile read transposed for the columns)
+    g     (threads 384-511)  dq's diag(s Gamma) dO S0^T (left in dq's slot for p), then dk (one [64, 128]
+                             accumulator), dgamma's O, X and state terms from the accumulator's rows against Q
+                             or K, and dg
 
 The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 16 (dX twice: for the chain, then for dv's
-store), p 12 (K K^T again), g 20 (H K, and H^T K from the same tile read transposed by the tensor cores).
+store), p 10 (K K^T again), g 18 (H K, and H^T K from the same tile read transposed by the tensor cores). Until
+session 25 p also made dgamma's column term as two products, s (U dO^T) (.) (K Q^T) (.) D^T, and a masked pass:
+its rows are the columns of the P (.) dP p holds for the row term (column_sums), and g made all of dq.
 Until session 23 x also made X = V - diag(Gamma) K S0 (a 4-unit product and a pass over V's tile) at each chunk's
 start, on the chain; the recompute of S0 makes X anyway and now leaves it in dV's buffer (each chunk's X is read
 by the chunk's first loads, its dV stored at the chunk's end: the same rows, one program's), so x starts at U.
@@ -40,7 +44,8 @@ next chunk by the owner once its last readers are done (no chunk-wide barrier: t
 chunk's loads).
 
 dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's, then dk's, each in the
-order of g's accumulator since session 24, group_sum.slot_offset: 16-byte stores by g's threads), the host summing
+order of a [64, 128] wgmma accumulator since session 24, group_sum.slot_offset: 16-byte stores by the threads; dq's
+slot first holds g's term, which p reads back, and so dq is rounded to bf16 twice), the host summing
 each key head's group in a fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
 passes S0's own buffer, each slot taken over once the chunk's S0 has landed from it (nothing reads it again), so
 the per-value-head gradients need no memory of their own (session 20: -256 MB of peak at 16/32 1x32768).
@@ -49,8 +54,9 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     loaded (the owner's loads but K's)         ds_ready (owner)  ds_free (x, g)
     k_loaded (the owner's load of K)
     u_ready (x)         u_free (p, g)          p_ready (p)       do_read (x, p, g: raw dO read)
+    dq_part (g: dq's dO S0^T term stored in dq's slot, for p)
     gx_ready (x)        gx_free (g: its product has read the tile; the owner's read precedes its next ds_ready)
-    pd_ready (p)        pd_free (g: its products with dPD and with K are done)
+    pd_ready (p)        pd_free (g, p: their products with dPD and with K are done)
     du_ready (x)        du_free (p)            m_ready (x: M in P's tile, its last read of X)
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
     q_free (g: its dPD^T Q is done)            tot_ready (owner: Gamma_C <S0, dS_end> for g's tail; g waits
@@ -77,14 +83,15 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 # registers per thread of each role (setmaxnreg; a role starts at 65536 / 512 = 128 and raises or lowers it), so
 # the four sum to 512. x holds its [64, 128] accumulator or the solve's 64 x 64 one (two until session 18 moved the
-# A terms' rows to p), p two 64 x 64 ones, g its
-# [64, 128] accumulator and a [64, 128] temporary for the row dots; session 15's split, with the solve in p, was
-# 160 / 96 / 144 / 112, session 16's 160 / 112 / 128 / 112, session 17's 160 / 112 / 120 / 120 (g paced the chunk
-# then). Session 21 (H200, backward-only profile, the three fused quick points): x, whose block ends the chunk's
-# chain, takes 8 of g's: kernel 1.548 -> 1.471 ms at 16/32 1x32768, 0.422 -> 0.384 at 4/8 1x32768, 0.400 -> 0.398
-# at 16/32 1x8192 (sass_roles: x's spill stores / loads 43 / 63 -> 25 / 30, g's 12 / 14 -> 18 / 21); 160 / 128 /
-# 112 / 112 measured within 1% of it
-OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 120, 120, 112
+# A terms' rows to p), p two 64 x 64 ones, then K K^T beside dq's [64, 128] accumulator, g its [64, 128]
+# accumulator and a [64, 128] temporary for the row dots; session 15's split, with the solve in p, was 160 / 96 /
+# 144 / 112, session 16's 160 / 112 / 128 / 112, session 17's 160 / 112 / 120 / 120 (g paced the chunk then).
+# Session 21 (H200, backward-only profile, the three fused quick points): x, whose block ends the chunk's chain,
+# takes 8 of g's: kernel 1.548 -> 1.471 ms at 16/32 1x32768 (sass_roles: x's spill stores / loads 43 / 63 -> 25 /
+# 30). Session 25 (dq's dPD K and K K^T held in p): 160 / 96 / 144 / 112 against 160 / 112 / 136 / 104 and 160 /
+# 104 / 144 / 104, one run: kernel 1.2625 / 1.3018 / 1.3163 ms at 16/32 1x32768, 0.3257 / 0.3423 / 0.3365 at
+# 16/32 1x8192 (sass_roles, spill stores / loads: p 4 / 11, x 15 / 20, g 7 / 16 at the first)
+OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 96, 144, 112
 
 
 def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: bool = False,
@@ -186,6 +193,15 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             dqk[c, hv, which, f // K, f % K] = T.cast(acc[r, j], dtype)
 
     @T.macro
+    def add_slot(acc, dqk, c, hv):
+        """acc += dq's slot as store_slot left it from another role's accumulator of the same shape: each thread reads
+        the elements its counterpart stored (the caller waits for the barrier the storing role arrives at after
+        its stores: an mbarrier's arrive releases and its wait acquires, at the block's scope)."""
+        for r, j in T.Parallel(C, K):
+            f = slot_offset(r, j)
+            acc[r, j] = acc[r, j] + T.cast(dqk[c, hv, 0, f // K, f % K], accum)
+
+    @T.macro
     def masked(keep, value, g_s, hi, lo):
         """value * exp(g_hi - g_lo) where keep, else 0, without a branch: the selects take cheap operands and the
         exponential runs on 0 where not kept (a select around the exponential itself is lowered to a branch per
@@ -199,6 +215,27 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         for r, j in T.Parallel(C, V):
             tmp[r, j] = acc[r, j] * m_s[r, j]
         T.reduce_sum(tmp, out, dim=1)
+
+    @T.macro
+    def column_sums(f, part, cs):
+        """cs[w, c] = the sum over warp w's 16 rows of column c of f (a [C, C] wgmma accumulator of one warpgroup),
+        the caller adding the four warps'. Thread t holds rows t // 32 * 16 + t % 32 // 4 (+ 8) and columns
+        8 n + t % 4 * 2 (+ 1): its two rows into part[t, :] (thread-local), the 8 lanes of a column summed by
+        shuffles, one lane each written. TileLang's reduce_sum over dim 0 takes hardware barriers 1 and 2 and a
+        workspace shared with the owner's and g's reductions (session 19's race); this needs no barrier but p's
+        own (TileLang syncs p's 128 threads between the tile's writes and reads)."""
+        T.clear(part)
+        for r, c in T.Parallel(C, C):
+            part[r // 16 * 32 + r % 8 * 4 + c % 8 // 2, c // 8 * 2 + c % 2] += f[r, c]
+        for t, v in T.Parallel(128, 16):
+            part[t, v] += T.shfl_xor(part[t, v], 4)
+        for t, v in T.Parallel(128, 16):
+            part[t, v] += T.shfl_xor(part[t, v], 8)
+        for t, v in T.Parallel(128, 16):
+            part[t, v] += T.shfl_xor(part[t, v], 16)
+        for t, v in T.Parallel(128, 16):
+            if t % 32 < 4:
+                cs[t // 32, v // 2 * 8 + t % 4 * 2 + v % 2] = part[t, v]
 
     @T.prim_func
     def gdn_backward_fused(
@@ -248,6 +285,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             eu_x = T.alloc_shared((C,), accum)        # x: Gamma_C / Gamma
             b_s = T.alloc_shared((C,), accum)         # x: beta (p takes a copy, bet, for its A terms)
             sg_g = T.alloc_shared((C,), accum)        # g: s Gamma
+            cs_p = T.alloc_shared((4, C), accum)      # p: each warp's column sums of P (.) dP
             eu_g = T.alloc_shared((C,), accum)        # g: Gamma_C / Gamma
             dgp_s = T.alloc_shared((C,), accum)       # p -> g: dgamma's P and A terms
             dbp_s = T.alloc_shared((C,), accum)       # p -> g: dbeta's T and A terms
@@ -265,6 +303,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             bet = T.alloc_fragment((C,), accum)       # p: beta, read from b_s before tg_read (below)
             xf2 = T.alloc_fragment((C, C), accum)     # x: the solve's backward
             acc_g = T.alloc_fragment((C, K), accum)   # g: dq, then dk
+            acc_p = T.alloc_fragment((C, K), accum)   # p: dq
+            col_p = T.alloc_fragment((128, 16), accum)  # p: a thread's column partials (see its pass)
             tmp_g = T.alloc_fragment((C, V), accum)
             row_g = T.alloc_fragment((C,), accum)
             de_g = T.alloc_fragment((C,), accum)
@@ -293,11 +333,12 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
             gx_ready = T.alloc_barrier(arrive_count=128)
             gx_free = T.alloc_barrier(arrive_count=128)
             pd_ready = T.alloc_barrier(arrive_count=128)
-            pd_free = T.alloc_barrier(arrive_count=128)
+            pd_free = T.alloc_barrier(arrive_count=256)
             h_ready = T.alloc_barrier(arrive_count=128)
             q_free = T.alloc_barrier(arrive_count=128)
             tg_read = T.alloc_barrier(arrive_count=128)
             h_free = T.alloc_barrier(arrive_count=128)
+            dq_part = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
             if tx < 128:
@@ -457,7 +498,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_arrive(tb_free)
                     store_rows(acc_x, du_s, dv, t0, hv, n_valid)
             elif tx < 384:
-                # ---- p: P, dPD; dgamma's P terms; dbeta's T term; the solve's A terms ----
+                # ---- p: P, dPD, dq's dPD K; dgamma's P terms; dbeta's T term; the solve's A terms ----
                 T.set_max_nreg(P_REGS, int(P_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
@@ -469,10 +510,12 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.copy(f1, p_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready)
-                    # dP = dO U^T; dPD = s dP (.) D; dgamma += rows of dP (.) P ...
+                    # dP = dO U^T; dPD = s dP (.) D; dgamma += the rows of P (.) dP minus its columns
                     T.barrier_wait(u_ready, ph)
                     T.wgmma_gemm(do_s, u_s, f2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
+                    T.barrier_arrive(u_free)
+                    T.barrier_arrive(do_read)                  # p's last read of dO
                     for r, c in T.Parallel(C, C):   # P (.) dP first: dPD takes dP's fragment, as x's passes do
                         f1[r, c] = f1[r, c] * f2[r, c]
                     for r, c in T.Parallel(C, C):
@@ -482,41 +525,40 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.fence_proxy_async()
                     T.barrier_arrive(pd_ready)
                     T.reduce_sum(f1, dgp, dim=1)
-                    # ... minus its columns: the rows of s (U dO^T) (.) (K Q^T) (.) D^T
-                    T.wgmma_gemm(u_s, do_s, f2, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(k_s, q_s, f1, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(do_read)
-                    T.barrier_arrive(u_free)
-                    for r, c in T.Parallel(C, C):
-                        f1[r, c] = masked((c >= r) & (c < n_valid), scale * f2[r, c] * f1[r, c], g_s, c, r)
-                    T.reduce_sum(f1, row_p, dim=1)
+                    column_sums(f1, col_p, cs_p)
                     for r in T.Parallel(C):
-                        dgp[r] -= row_p[r]
-                    # its share of the solve's backward (x's comment): dbeta's term, the rows of X dU^T (.) T^T ...
+                        dgp[r] -= cs_p[0, r] + cs_p[1, r] + cs_p[2, r] + cs_p[3, r]
+                    # its share of the solve's backward (x's comment) next, as x's dv and the next chunk's S0 and X
+                    # wait for it (du_free): dbeta's term, the rows of X dU^T (.) T^T ...
                     T.barrier_wait(du_ready, ph)
                     # beta for the A terms at p's end, taken now: once p arrives at tg_read the next chunk may
                     # land and x rewrite b_s at its start (until session 21 p read b_s there, after h_ready: dg,
                     # and only dg, then differed from call to call where the next chunk's x got ahead of p's tail)
                     for r in T.Parallel(C):
                         bet[r] = b_s[r]
-                    T.wgmma_gemm(x_s, du_s, f1, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(x_s, du_s, f2, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(du_free)
                     for r, c in T.Parallel(C, C):
-                        f1[r, c] = T.if_then_else(c < n_valid, f1[r, c] * T.cast(t_s[c, r], accum), 0.0)
-                    T.reduce_sum(f1, row_p, dim=1)
-                    for r in T.Parallel(C):
-                        dbp[r] = row_p[r]
-                    # ... and, once x has written dA (.) D and H, the A terms with K K^T: dbeta's the rows of
-                    # dA (.) K K^T (.) D, dgamma's beta (.) those minus the columns of H (.) K K^T, taken as the rows
-                    # of H^T (.) K K^T (K K^T is symmetric) from H's tile read transposed. Until session 18 x took
-                    # the rows (its own K K^T) and p made H^T (T M^T again, a masked pass, its own tile for g)
+                        f2[r, c] = T.if_then_else(c < n_valid, f2[r, c] * T.cast(t_s[c, r], accum), 0.0)
+                    T.reduce_sum(f2, dbp, dim=1)
+                    T.barrier_arrive(tg_read)                  # p's last reads of T and the gates
+                    # ... and K K^T for the A terms at its end (below), kept through dq
                     T.wgmma_gemm(k_s, k_s, f1, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
-                    # p's last reads of T, the gates and K (the owner reloads K after this too; until session 21
-                    # tg_read came before K K^T, which then only timing kept ahead of the next chunk's K)
-                    T.barrier_arrive(tg_read)
+                    # dq = dPD K + g's diag(s Gamma) dO S0^T, which g left in dq's slot
+                    T.clear(acc_p)   # a new live range, after dP's (see x's acc_x)
+                    T.wgmma_gemm(pd_s, k_s, acc_p, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(pd_free)                  # p's last read of K (and its own of dPD's tile)
+                    c = c0 + chunk_of(n_chunks, i)
+                    T.barrier_wait(dq_part, ph)
+                    add_slot(acc_p, dqk, c, hv)
+                    store_slot(acc_p, dqk, c, hv, 0)
+                    # once x has written dA (.) D and H, the A terms with K K^T: dbeta's the rows of dA (.) K K^T
+                    # (.) D, dgamma's beta (.) those minus the columns of H (.) K K^T, taken as the rows of H^T (.)
+                    # K K^T (K K^T is symmetric) from H's tile read transposed. Until session 18 x took the rows
+                    # (its own K K^T) and p made H^T (T M^T again, a masked pass, its own tile for g)
                     T.barrier_wait(h_ready, ph)
                     T.copy(p_s, f2)
                     for r, c in T.Parallel(C, C):
@@ -530,7 +572,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         dgp_s[r] = dgp[r] + bet[r] * row_p[r] - row_q[r]
                     T.barrier_arrive(gp_ready)
             else:
-                # ---- g: dq, dk; dgamma's O, X and state terms; dg ----
+                # ---- g: dq's dO S0^T, dk; dgamma's O, X and state terms; dg ----
                 T.set_max_nreg(G_REGS, int(G_REGS > 128))   # raise, or lower, from 128
                 for i in T.serial(n_chunks):
                     ph, t0, n_valid = landed(loaded, bos, eos, n_chunks, i)
@@ -538,19 +580,18 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     for r in T.Parallel(C):
                         sg_g[r] = T.if_then_else(r < n_valid, scale * T.exp(g_s[r]), 0.0)
                         eu_g[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[r]), 0.0)
-                    # dq = diag(s Gamma) dO S0^T + dPD K; dgamma's O term: the rows of the first (.) Q
+                    # dq's first term, diag(s Gamma) dO S0^T, while dS_end and U are being made; its rows (.) Q are
+                    # dgamma's O term. It leaves through dq's slot, where p adds dPD K (session 25: g made all of dq
+                    # and waited for p's dPD before dk could start; p making it all held the owner's do_read)
                     T.wgmma_gemm(do_s, s0_s, acc_g, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(do_read)
                     for r, j in T.Parallel(C, K):
                         acc_g[r, j] = acc_g[r, j] * sg_g[r]
                     row_dot(acc_g, q_s, tmp_g, dgam)
-                    T.barrier_wait(pd_ready, ph)
-                    T.barrier_wait(k_loaded, ph)
-                    T.wgmma_gemm(pd_s, k_s, acc_g)
-                    T.wait_wgmma(0)
                     c = c0 + chunk_of(n_chunks, i)
                     store_slot(acc_g, dqk, c, hv, 0)
+                    T.barrier_arrive(dq_part)
                     # dk, from diag(Gamma_C / Gamma) U dS_end^T: its rows (.) K are the state decay's term
                     T.barrier_wait(u_ready, ph)
                     T.barrier_wait(ds_ready, ph)
@@ -560,6 +601,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.barrier_arrive(u_free)
                     for r, j in T.Parallel(C, K):
                         acc_g[r, j] = acc_g[r, j] * eu_g[r]
+                    T.barrier_wait(k_loaded, ph)
                     row_dot(acc_g, k_s, tmp_g, de_g)
                     # a sum over the warpgroup's rows, through shared memory behind hardware barriers 1 and 2 of
                     # 128 threads (TileLang's AllReduce), which the owner's <S0, dS_end> reduction also takes: the
@@ -578,6 +620,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     row_dot(acc_g, k_s, tmp_g, row_g)
                     for r in T.Parallel(C):
                         dgam[r] += row_g[r] - 2.0 * de_g[r]
+                    T.barrier_wait(pd_ready, ph)
                     T.wgmma_gemm(pd_s, q_s, acc_g, transpose_A=True)                  # + dPD^T Q
                     T.wait_wgmma(0)
                     T.barrier_arrive(q_free)                   # Q's last reader: the next chunk's Q may land
