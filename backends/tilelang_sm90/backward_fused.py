@@ -63,7 +63,7 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
                                                for it before its own warpgroup-wide sum, the two sharing
                                                hardware barriers 1 and 2: session 19)
     h_ready (x: dA (.) D in P's tile, H, and its last reads of K, T and the gates)
-    tg_read (p: its last reads of T, the gates and K)
+    tg_read (p: its last reads of T and the gates, and of beta)
     gp_ready (p: dbeta's and dgamma's terms)
     h_free (g: its tail has read H and p's per-row terms)
 
@@ -114,10 +114,12 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # `loaded` (whose phase for chunk i + 1 is open once every role has waited for chunk i's). The owner, idle
     # after its second product, issues them all: dO (its own product is dO's last reader), S0 and X (m_ready,
     # du_free, s0_free), Q (q_free), T and the gates (h_ready, tg_read: only x and p read them late), Tb
-    # (tb_free), whose macro's arrival of its 128 threads closes the phase; then K (pd_free: g's products with H)
+    # (tb_free), whose macro's arrival of its 128 threads closes the phase; then K (pd_free: g's products with H,
+    # p's dPD K)
     # on a barrier of its own, k_loaded (session 24): the roles start a chunk on `loaded` and wait for K only
-    # where they first read it (x before K dS_end, p before Q K^T, g before dPD K, the owner before its K^T
-    # product), so x's U and the owner's hand-over of dS_end run while K, issued last, is still landing. Both
+    # where they first read it (x before K dS_end, p before Q K^T, g before its first row dot against K, the
+    # owner before its K^T product), so x's U and the owner's hand-over of dS_end run while K, issued last, is
+    # still landing. Both
     # barriers complete once a chunk (parity i % 2); K's next load follows every role's K wait of this chunk.
     # Session 17's first form had x issue them and wait for those barriers between its own products (run A: x
     # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
@@ -392,7 +394,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # idle until the next chunk: it reloads S0 and X once x (before m_ready), p (du_free) and g
                     # (s0_free) have read them, Q after g's dPD^T Q (q_free), T and the gates once x's and p's
                     # passes over them are done (h_ready, tg_read), Tb after x's last product (tb_free), and K after
-                    # g's products with H (pd_free)
+                    # g's products with H and p's dPD K (pd_free)
                     if i + 1 < n_chunks:
                         T.barrier_wait(m_ready, ph)
                         T.barrier_wait(du_free, ph)
