@@ -74,7 +74,7 @@ X's rows there (the next sequence's X, or its dV once that program has stored it
 import tilelang
 import tilelang.language as T
 
-from .group_sum import slot_offset
+from .group_sum import accumulator_thread, slot_offset
 from .state_output import sequence_bounds
 
 CHUNK = 64
@@ -115,12 +115,11 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # after its second product, issues them all: dO (its own product is dO's last reader), S0 and X (m_ready,
     # du_free, s0_free), Q (q_free), T and the gates (h_ready, tg_read: only x and p read them late), Tb
     # (tb_free), whose macro's arrival of its 128 threads closes the phase; then K (pd_free: g's products with H,
-    # p's dPD K)
-    # on a barrier of its own, k_loaded (session 24): the roles start a chunk on `loaded` and wait for K only
-    # where they first read it (x before K dS_end, p before Q K^T, g before its first row dot against K, the
+    # p's dPD K) on a barrier of its own, k_loaded (session 24): the roles start a chunk on `loaded` and wait for K
+    # only where they first read it (x before K dS_end, p before Q K^T, g before its first row dot against K, the
     # owner before its K^T product), so x's U and the owner's hand-over of dS_end run while K, issued last, is
-    # still landing. Both
-    # barriers complete once a chunk (parity i % 2); K's next load follows every role's K wait of this chunk.
+    # still landing. Both barriers complete once a chunk (parity i % 2); K's next load follows every role's K wait
+    # of this chunk.
     # Session 17's first form had x issue them and wait for those barriers between its own products (run A: x
     # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
     # chunk's end (~3300 clocks from it to the next chunk); until session 18 T, the gates and Q waited with K for
@@ -189,7 +188,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     @T.macro
     def store_slot(acc, dqk, c, hv, which):
         """dq (which 0) or dk (1) of a chunk into its slot, all 64 rows (a tail's past the sequence too: the slot is
-        this program's), in the order of g's accumulator: 16-byte stores (group_sum.slot_offset says why)."""
+        this program's), in the order of the [64, 128] accumulator acc (g's or p's): 16-byte stores
+        (group_sum.slot_offset says why)."""
         for r, j in T.Parallel(C, K):
             f = slot_offset(r, j)
             dqk[c, hv, which, f // K, f % K] = T.cast(acc[r, j], dtype)
@@ -228,7 +228,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         own (TileLang syncs p's 128 threads between the tile's writes and reads)."""
         T.clear(part)
         for r, c in T.Parallel(C, C):
-            part[r // 16 * 32 + r % 8 * 4 + c % 8 // 2, c // 8 * 2 + c % 2] += f[r, c]
+            part[accumulator_thread(r, c), c // 8 * 2 + c % 2] += f[r, c]
         for t, v in T.Parallel(128, 16):
             part[t, v] += T.shfl_xor(part[t, v], 4)
         for t, v in T.Parallel(128, 16):

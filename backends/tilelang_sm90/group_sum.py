@@ -19,16 +19,21 @@ except ImportError:  # the torch form below serves
     triton = None
 
 
+def accumulator_thread(r, j):
+    """The thread of a warpgroup (0-127) that holds element (r, j) of a 64-row wgmma accumulator (m64nN: warp r // 16,
+    lane r % 8 * 4 + j % 8 // 2). r, j: ints, tensors or TileLang's index expressions."""
+    return (r // 16) * 32 + r % 8 * 4 + j % 8 // 2
+
+
 def slot_offset(r, j):
     """Where element (r, j) of a chunk's [64, 128] dq or dk goes in its 8192-element slot of dqk: the order the fused
-    kernel's g accumulator holds it in (wgmma's m64n128 layout: thread (r // 16) * 32 + r % 8 * 4 + j % 8 // 2, its
+    kernel's g and p accumulators hold it in (wgmma's m64n128 layout: thread accumulator_thread(r, j), its
     value (j // 8) * 4 + r % 16 // 8 * 2 + j % 2), as [8 value blocks, 128 threads, 8 values], so that each thread
     stores 8 values at once and a warp's 32 threads 512 contiguous bytes (row-major, g made 32 stores of 4 bytes a
     thread, ~2000 clocks of its chunk: session 23's trace). r, j: ints, tensors or TileLang's index expressions.
     Digits of the offset, most significant first: j // 16, r // 16, r % 8, j % 8 // 2, j % 16 // 8, r % 16 // 8,
     j % 2 (sizes 8, 4, 8, 4, 2, 2, 2): _SLOT_TO_ROWS below permutes them back to r's then j's."""
-    return ((j // 16) * 1024 + ((r // 16) * 32 + r % 8 * 4 + j % 8 // 2) * 8 + (j % 16 // 8) * 4
-            + (r % 16 // 8) * 2 + j % 2)
+    return (j // 16) * 1024 + accumulator_thread(r, j) * 8 + (j % 16 // 8) * 4 + (r % 16 // 8) * 2 + j % 2
 
 
 # the slot's digits and their permutation back to rows (r // 16, r % 16 // 8, r % 8, j // 16, j % 16 // 8,
