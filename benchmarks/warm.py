@@ -11,6 +11,7 @@ kernels (context parallelism) than short ones.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import time
 from typing import Callable
@@ -21,13 +22,18 @@ from .grids import Grid, Point
 def jobs_of(grid: Grid, impl_names: list[str], cached: Callable[[str, Point], bool] | None = None
             ) -> list[tuple[str, str, int, int, tuple[Point, ...]]]:
     """(impl, pass, H, HV, points) per warm-up job, longest compiles (backward) first. `cached(impl, point)`
-    says a point will not be measured (an anchor row reused from an earlier run): it needs no compile."""
+    says a point will not be measured (an anchor row reused from an earlier run): it needs no compile. A job that
+    measures also runs the accuracy check's small varlen problem (grid.accuracy_seqlens) of its pass and head
+    config, which may take other kernels (gdnkit's staged backward; H200 session 27: compiled in the timing
+    process, they took a 110 s budget's last three points)."""
     jobs = []
     for pass_ in ("bwd", "fwd", "decode"):
         for H, HV in grid.head_configs(pass_):
             points = tuple(p for p in grid.points if p.pass_ == pass_ and (p.H, p.HV) == (H, HV))
             for name in impl_names:
                 todo = tuple(p for p in points if cached is None or not cached(name, p))
+                if todo and pass_ != "decode":   # decode's check is a batch of one-token sequences, as its points
+                    todo += (dataclasses.replace(todo[0], seqlens=grid.accuracy_seqlens),)
                 if todo:
                     jobs.append((name, pass_, H, HV, todo))
     return jobs

@@ -271,11 +271,14 @@ def test_warm_up_skips_what_cached_anchor_rows_answer():
     names = ["fla", "gdnkit:triton_generic"]
     every = jobs_of(quick, names)
     assert {j[0] for j in every} == set(names) and all(j[4] for j in every)
+    # each job also runs its head config's accuracy problem, last
+    accuracy = grids.seqlens_label(quick.accuracy_seqlens)
+    assert all(j[4][-1].label == accuracy and (j[4][-1].H, j[4][-1].HV) == (j[2], j[3]) for j in every)
     # fla cached everywhere but at H=2 HV=8 1x2048: one fla job left, holding that one point
     left = lambda name, p: name == "fla" and not (p.H == 2 and p.label == "1x2048")  # noqa: E731
     jobs = jobs_of(quick, names, cached=left)
     fla_jobs = [j for j in jobs if j[0] == "fla"]
-    assert len(fla_jobs) == 1 and [p.label for p in fla_jobs[0][4]] == ["1x2048"]
+    assert len(fla_jobs) == 1 and [p.label for p in fla_jobs[0][4]] == ["1x2048", accuracy]
     assert [j for j in jobs if j[0] != "fla"] == [j for j in every if j[0] != "fla"]
 
 
