@@ -1215,7 +1215,7 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
                                   "segments-chained", "segments-chained-mixed-gates", "segments-exact",
                                   "fused-dense", "fused-varlen-gva-options", "fused-segments",
                                   "fused-segments-weak-gates", "fused-segments-mixed-gates"])
-def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch):
+def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
     reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
@@ -1768,14 +1768,16 @@ def _fused_backward_forced(monkeypatch) -> list:
 @pytest.mark.parametrize("H,HV,lengths,state,final", [(2, 4, (200,), True, True),
                                                       (4, 16, (77, 0, 1000, 1333), True, True),
                                                       (2, 8, (8200,), True, True), (16, 32, (4096,), False, True),
-                                                      (4, 8, (1000, 333), False, False)],
-                         ids=["one", "varlen", "segments", "16x32", "no-states"])
+                                                      (4, 8, (1000, 333), False, False),
+                                                      (4, 4, (1000, 0, 333), True, True)],
+                         ids=["one", "varlen", "segments", "16x32", "no-states", "one-per-key-head"])
 def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatch):
     """The fused backward (backward_fused.py, one launch after the S0 recompute) through the public API: every
     gradient against the float64 chunked backward, with GVA; a chunk tail of 8 (one), sequences of odd and zero
     length with initial states (varlen), one long sequence in the wide route's segments, each from its dS_end by
     the gated route (segments), 16/32 without an initial state, and a training call with neither state (the
-    kernel's dS from zero, no dh0: the usual training call; added in session 15 after its last GPU run); and the
+    kernel's dS from zero, no dh0: the usual training call; added in session 15 after its last GPU run), one value
+    head a key head with an empty sequence (one-per-key-head: groups of one, session 27); and the
     same call six times, bitwise: dg's chunk-end term (the owner's and g's warpgroup reductions) is where forms that
     moved the roles' timing went wrong from call to call, in a segment's first chunk (session 19's form D, session
     20's ordered pairs; H200 runs, scratch/s20/dg_diff.py: six calls of the 16x32 case)."""
