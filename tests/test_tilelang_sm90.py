@@ -383,7 +383,7 @@ def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
     of the slot that rows_from_slot undoes), each key head's value heads added in fp32 and written in the
     gradients' dtype, within one unit in its last place of the float64 sum (the interpreter's casts truncate); a
     group of one is a copy; a tail chunk's rows past its sequence, whatever they hold, stay out of the output; the
-    tokens past the last sequence are zero; no chunks, no launch."""
+    tokens past the last sequence are zero; no chunks, no launch; the same bits from finer runs (segments)."""
     pytest.importorskip("triton")
     from gdnkit import seqlayout
     from gdnkit.backends.tilelang_sm90.group_sum import chunk_group_sums, rows_from_slot, slot_offset
@@ -408,6 +408,13 @@ def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
     tol = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}[dtype]
     for got, w in zip((dq, dk), want):
         assert torch.allclose(got[0].double(), w, rtol=tol, atol=tol)
+    # the same from the fused kernel's runs cut finer (one chunk each, as segments): the same bits
+    starts = [bos + 64 * w for bos, eos in zip(cu[:-1].tolist(), cu[1:].tolist()) for w in range(-(-(eos - bos) // 64))]
+    runs = (torch.tensor([*starts, int(cu[-1])], dtype=torch.int32),
+            torch.arange(len(starts) + 1, dtype=torch.int32), 1)
+    if starts:
+        for got, again in zip((dq, dk), chunk_group_sums(dqk, layout, H, total, dtype, runs)):
+            assert torch.equal(got, again)
 
 
 def test_fused_backward_sass_per_role():

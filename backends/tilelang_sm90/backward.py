@@ -13,7 +13,8 @@ is the definition every stage is checked against.
 
 The fused path (_fused_grads): the reverse pass and the per-chunk gradients in one kernel, backward_fused.py,
 after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per chunk and value head, in S0's
-buffer as the kernel frees it, and are summed over each key head's group here. fused_pays picks it where the work
+buffer as the kernel frees it, and are summed over each key head's group here. Where it runs in segments the
+recompute goes to a side stream beside the gated route's dS_ends (session 28). fused_pays picks it where the work
 is large and evenly spread over the programs (faster there, H200 session 18), the staged path above elsewhere;
 GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
@@ -336,14 +337,15 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
     per chunk and value head in S0's buffer (backward_fused.py's docstring); each key head's group is summed here,
     in value head order, while that buffer holds them: the per-value-head gradients add nothing to the backward's
     peak (session 19's form wrote them to tensors of their own, 2 x 128 MB at 16/32 1x32768)."""
-    dqk, dv, dg, dbeta, dh0 = _fused_kernel_outputs(problem, s, do, dht)
+    dqk, dv, dg, dbeta, dh0, runs = _fused_kernel_outputs(problem, s, do, dht)
     qk, _ = _grads_dtype(problem, s)
-    dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk)
+    dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk, runs)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
-    """(dqk: dq, dk per chunk and value head; dv, dg, dbeta, dh0 packed) from the fused kernel. Where one program
+    """(dqk: dq, dk per chunk and value head; dv, dg, dbeta, dh0 packed; the kernel's runs as
+    group_sum.chunk_group_sums takes them) from the fused kernel. Where one program
     per (sequence, head) leaves SMs idle, the sequences run in the wide route's segments
     (forward.wide_segment_chunks), each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up,
     exact where it does not settle)."""
@@ -364,13 +366,30 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     placeholder = _placeholder(dev, HV, K, V)
     if seg:
         plan = context_parallel.plan_segments(layout, seg)
+        # the segments' dS_ends (the gated route: its search, warm-up and exact kernels, ~0.03 ms of mostly
+        # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream
+        # beside them, its outputs allocated here before the fork and read after the join (as _recompute_beside).
+        # The recompute's programs hold 128 SMs' registers; the route's small launches take the rest and the gaps
+        # (H200 session 28, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32
+        # 1x8192, 16/32 1x32768; eager profiles then count the route's kernels over their stretched spans)
+        side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device()) \
+            if dev.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                forward.entering_states_and_x(problem, s, buf, dv)
+        else:
+            forward.entering_states_and_x(problem, s, buf, dv)
         dinit = _gated_ds_ends(problem, s, plan, do, dht)
+        if side is not None:
+            torch.cuda.current_stream(dev).wait_stream(side)
         cu_run, offsets, n_run = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg
     else:
         plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N
+        seg = max(layout.chunk_counts)   # the longest run
+        forward.entering_states_and_x(problem, s, buf, dv)
     # a slot of S0 [K, V] is dq's and dk's [64, K] rows (K = V = 128)
     dqk = buf.view(layout.n_chunks, HV, 2, seqlayout.CHUNK, K)
-    forward.entering_states_and_x(problem, s, buf, dv)
     store_dh0 = s.h0 is not None
     dh0 = torch.empty(n_run, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
     backward_fused_kernel(H, HV, dt, dinit is not None, store_dh0)(
@@ -379,5 +398,5 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
         placeholder if dh0 is None else dh0, float(problem.scale))
     if plan is not None and dh0 is not None:
         dh0 = _first_segments(dh0, plan, layout, dht)
-    return dqk, dv, dg, dbeta, dh0
+    return dqk, dv, dg, dbeta, dh0, (cu_run, offsets, seg)
 
