@@ -1,4 +1,4 @@
-"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up flags, compiles for real GPUs (sm80,
+"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up flags and group sums, compiles for real GPUs
 sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
@@ -33,7 +33,7 @@ INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "ne
 # tilelang_sm90's warm-up flags (warmup_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
-INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu"}
+INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu", "w0"}
 FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
@@ -65,6 +65,8 @@ KERNELS = {
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
                      dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0, WALK=True)),
     "wide_pick": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
+    # and the fused backward's GVA sums (group_sum.py)
+    "group_sums": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel", dict(H=4, G=2, C=64, K=128)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its
 # launch-table name, its KERNELS entry, compile-time arguments that differ from that entry)
