@@ -1,5 +1,5 @@
-"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up flags and group sums, compiles for real GPUs
-sm90) on this CPU machine.
+"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up flags and group sums, compiles for real
+GPUs (sm80, sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
 ptxas), where a kernel can fail on a GPU while passing in the interpreter. Compiling needs no GPU: ptxas
