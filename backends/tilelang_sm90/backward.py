@@ -202,6 +202,14 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(index)
 
 
+def _fork(dev: torch.device) -> torch.cuda.Stream:
+    """The side stream of dev, ordered behind the work queued so far on the current one (the caller joins it with
+    torch.cuda.current_stream(dev).wait_stream before reading what it wrote)."""
+    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+    side.wait_stream(torch.cuda.current_stream(dev))
+    return side
+
+
 def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: int):
     """(every chunk's S0, the stream it is being made on) where the recompute runs beside the reverse pass, else
     None. The recompute of S0 (the forward's state pass again, forward.entering_states) does not feed the reverse
@@ -215,9 +223,8 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: 
     if s.hs is not None or dev.type != "cuda" or forward.BLOCK_V is not None or \
             2 * problem.HV * (s.states.n + n_reverse) > _sm_count_of(dev):
         return None
-    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device())
     hs = torch.empty(s.layout.n_chunks, problem.HV, problem.K, problem.V, device=dev, dtype=s.k.dtype)
-    side.wait_stream(torch.cuda.current_stream(dev))
+    side = _fork(dev)
     with torch.cuda.stream(side):
         entering_states(problem, s, out=hs, block_v=64)
     return hs, side
@@ -364,30 +371,24 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
     seg = forward.wide_segment_chunks(layout, HV, dev)
     placeholder = _placeholder(dev, HV, K, V)
+    # in segments, the segments' dS_ends (the gated route: its search, warm-up and exact kernels, ~0.03 ms of mostly
+    # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream beside
+    # them, its outputs allocated here before the fork and read after the join (as _recompute_beside). The
+    # recompute's programs hold 128 SMs' registers; the route's small launches take the rest and the gaps (H200
+    # session 28, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192, 16/32
+    # 1x32768; eager profiles then count the route's kernels over their stretched spans)
+    side = _fork(dev) if seg and dev.type == "cuda" else None
+    with torch.cuda.stream(side):   # None: the current stream
+        forward.entering_states_and_x(problem, s, buf, dv)
     if seg:
         plan = context_parallel.plan_segments(layout, seg)
-        # the segments' dS_ends (the gated route: its search, warm-up and exact kernels, ~0.03 ms of mostly
-        # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream
-        # beside them, its outputs allocated here before the fork and read after the join (as _recompute_beside).
-        # The recompute's programs hold 128 SMs' registers; the route's small launches take the rest and the gaps
-        # (H200 session 28, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32
-        # 1x8192, 16/32 1x32768; eager profiles then count the route's kernels over their stretched spans)
-        side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device()) \
-            if dev.type == "cuda" else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                forward.entering_states_and_x(problem, s, buf, dv)
-        else:
-            forward.entering_states_and_x(problem, s, buf, dv)
         dinit = _gated_ds_ends(problem, s, plan, do, dht)
-        if side is not None:
-            torch.cuda.current_stream(dev).wait_stream(side)
-        cu_run, offsets, n_run = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg
+        cu_run, offsets, n_run, longest = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg, seg
     else:
         plan, dinit, cu_run, offsets, n_run = None, dht, cu, layout.chunk_offsets, N
-        seg = max(layout.chunk_counts)   # the longest run
-        forward.entering_states_and_x(problem, s, buf, dv)
+        longest = max(layout.chunk_counts)
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
     # a slot of S0 [K, V] is dq's and dk's [64, K] rows (K = V = 128)
     dqk = buf.view(layout.n_chunks, HV, 2, seqlayout.CHUNK, K)
     store_dh0 = s.h0 is not None
@@ -398,5 +399,5 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
         placeholder if dh0 is None else dh0, float(problem.scale))
     if plan is not None and dh0 is not None:
         dh0 = _first_segments(dh0, plan, layout, dht)
-    return dqk, dv, dg, dbeta, dh0, (cu_run, offsets, seg)
+    return dqk, dv, dg, dbeta, dh0, (cu_run, offsets, longest)
 
