@@ -1,0 +1,37 @@
+"""Branch wip/sums-queue: the fused backward's dq / dk / dv with the sums beside the kernel against the sums after
+it (the same bits expected: a stale read of a slot would differ), five calls each way at three quick-grid points,
+and the share of the (chunk, key head) pairs the programs beside took from the queue's front."""
+import json, os
+import torch
+import torch.nn.functional as F
+import gdnkit
+from gdnkit.backends.tilelang_sm90 import group_sum
+
+res = {}
+for H, HV, T in ((4, 8, 8192), (16, 32, 8192), (16, 32, 32768)):
+    gen = torch.Generator(device="cuda").manual_seed(T + H)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    x = dict(q=F.normalize(r(1, T, H, 128), dim=-1).bfloat16(), k=F.normalize(r(1, T, H, 128), dim=-1).bfloat16(),
+             v=r(1, T, HV, 128).bfloat16(), g=F.logsigmoid(r(1, T, HV)) * 0.1, beta=torch.sigmoid(r(1, T, HV)))
+    do = r(1, T, HV, 128).bfloat16()
+    def grads():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, _ = gdnkit.chunk_gated_delta_rule(**leaves, backend="tilelang_sm90")
+        return torch.autograd.grad(o, [leaves["q"], leaves["k"], leaves["v"]], do)
+    shares = []
+    real_run = group_sum.GroupSums.run
+    def spy(self, dqk, runs):
+        out = real_run(self, dqk, runs)
+        if self.taken is not None:
+            t = int(self.taken.item())
+            shares.append(round((t & 0xFFFFFFFF) / max(t >> 32, 1), 3))
+        return out
+    group_sum.GroupSums.run = spy
+    group_sum.SUMS_BESIDE = False
+    want = grads()
+    group_sum.SUMS_BESIDE = True
+    bad = sum(not torch.equal(a, b) for _ in range(5) for a, b in zip(grads(), want))
+    group_sum.GroupSums.run = real_run
+    res[f"{H}/{HV} 1x{T}"] = dict(mismatches=bad, front_shares=shares)
+    print(f"[check] {H}/{HV} 1x{T}: beside vs after, 5 calls: {bad} mismatching tensors; front's share {shares}", flush=True)
+json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "check.json"), "w"))
