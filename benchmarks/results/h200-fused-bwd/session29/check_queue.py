@@ -35,3 +35,35 @@ for H, HV, T in ((4, 8, 8192), (16, 32, 8192), (16, 32, 32768)):
     res[f"{H}/{HV} 1x{T}"] = dict(mismatches=bad, front_shares=shares)
     print(f"[check] {H}/{HV} 1x{T}: beside vs after, 5 calls: {bad} mismatching tensors; front's share {shares}", flush=True)
 json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "check.json"), "w"))
+
+# the front alone, every flag set, at 16/32 1x32768's slots (8192 pairs): its rate in pairs a us by program count
+# and block size, with nothing beside it (its ceiling beside the kernel)
+from gdnkit import seqlayout
+H, HV, T = 16, 32, 32768
+cu = torch.tensor([0, T], device="cuda", dtype=torch.int32)
+layout = seqlayout.sequence_layout(cu)
+n = layout.n_chunks
+dqk = torch.randn(n, HV, 2, 64, 128, device="cuda").bfloat16()
+ready = torch.ones(n, HV, device="cuda", dtype=torch.int32)
+dq, dk = (torch.empty(1, T, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+pairs = n * H
+rates = {}
+for programs in (1, 4, 8):
+    for block in (1, 2, 4):
+        taken = torch.zeros(1, device="cuda", dtype=torch.int64)
+        launch = lambda: group_sum._sums_front_kernel[(programs,)](
+            dqk, ready, taken, cu, layout.chunk_offsets, dq, dk, 1, pairs, 1 << 16, H=H, G=2, GP=2, C=64, K=128,
+            B=block, num_warps=16)
+        taken.zero_(); launch(); torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            taken.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); launch(); b.record(); torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        ms = sorted(times)[2]
+        rates[f"{programs}x{block}"] = round(pairs / (ms * 1000), 3)
+        print(f"[front] {programs} programs, blocks of {block}: {ms:.3f} ms for {pairs} pairs, "
+              f"{pairs / (ms * 1000):.2f} pairs/us, {pairs * 96 * 1024 / (ms * 1e-3) / 1e12:.3f} TB/s", flush=True)
+res["front_alone_pairs_per_us"] = rates
+json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "check.json"), "w"))

@@ -4,7 +4,7 @@ set -o pipefail
 t0=$SECONDS
 timeout 150 python -m pytest -m gpu tests/test_tilelang_sm90.py -q -p no:cacheprovider -k "backward_fused_matches_float64 and (segments or 16x32 or varlen) or backward_fused_with_options or (repeat_bitwise and fused) or (cuda_graph and fused-segments)" 2>&1 | tee $OUT/tests.log | tail -4
 grep -q " passed" $OUT/tests.log && ! grep -q "failed\|error" $OUT/tests.log || { echo "TESTS NOT CLEAN"; exit 3; }
-timeout 70 python scratch/s29/check_queue.py 2>&1 | tee $OUT/check.log | grep "^\[check\]"
+timeout 100 python scratch/s29/check_queue.py 2>&1 | tee $OUT/check.log | grep "^\[check\]\|^\[front\]"
 k=0
 for mode in 1 0 1 0; do
   k=$((k + 1))
