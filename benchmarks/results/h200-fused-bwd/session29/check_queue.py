@@ -22,9 +22,9 @@ for H, HV, T in ((4, 8, 8192), (16, 32, 8192), (16, 32, 32768)):
     real_run = group_sum.GroupSums.run
     def spy(self, dqk, runs):
         out = real_run(self, dqk, runs)
-        if self.taken is not None:
-            t = int(self.taken.item())
-            shares.append(round((t & 0xFFFFFFFF) / max(t >> 32, 1), 3))
+        if self.taken is not None:   # blocks taken by the fronts over all blocks (the back's programs, one each)
+            t = self.taken.tolist()
+            shares.append(round(sum(v & 0xFFFFFFFF for v in t) / max(sum(v >> 32 for v in t), 1), 3))
         return out
     group_sum.GroupSums.run = spy
     group_sum.SUMS_BESIDE = False
@@ -50,7 +50,7 @@ pairs = n * H
 rates = {}
 for programs in (1, 4, 8):
     for block in (1, 2, 4):
-        taken = torch.zeros(1, device="cuda", dtype=torch.int64)
+        taken = torch.zeros(programs, device="cuda", dtype=torch.int64)
         launch = lambda: group_sum._sums_front_kernel[(programs,)](
             dqk, ready, taken, cu, layout.chunk_offsets, dq, dk, 1, pairs, 1 << 16, H=H, G=2, GP=2, C=64, K=128,
             B=block, num_warps=16)
