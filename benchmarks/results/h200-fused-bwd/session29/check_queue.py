@@ -48,10 +48,11 @@ ready = torch.ones(n, HV, device="cuda", dtype=torch.int32)
 dq, dk = (torch.empty(1, T, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 pairs = n * H
 rates = {}
-for programs in (1, 4, 8):
-    for block in (1, 2, 4):
+for kernel, blocks in (("_sums_front_kernel", (1, 2, 4)), ("_sums_front_overlapped_kernel", (1, 2))):
+  for programs in (1, 4, 8):
+    for block in blocks:
         taken = torch.zeros(programs, device="cuda", dtype=torch.int64)
-        launch = lambda: group_sum._sums_front_kernel[(programs,)](
+        launch = lambda: getattr(group_sum, kernel)[(programs,)](
             dqk, ready, taken, cu, layout.chunk_offsets, dq, dk, 1, pairs, 1 << 16, H=H, G=2, GP=2, C=64, K=128,
             B=block, num_warps=16)
         taken.zero_(); launch(); torch.cuda.synchronize()
@@ -62,8 +63,8 @@ for programs in (1, 4, 8):
             a.record(); launch(); b.record(); torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
         ms = sorted(times)[2]
-        rates[f"{programs}x{block}"] = round(pairs / (ms * 1000), 3)
-        print(f"[front] {programs} programs, blocks of {block}: {ms:.3f} ms for {pairs} pairs, "
+        rates[f"{kernel} {programs}x{block}"] = round(pairs / (ms * 1000), 3)
+        print(f"[front] {kernel} {programs} programs, blocks of {block}: {ms:.3f} ms for {pairs} pairs, "
               f"{pairs / (ms * 1000):.2f} pairs/us, {pairs * 96 * 1024 / (ms * 1e-3) / 1e12:.3f} TB/s", flush=True)
 res["front_alone_pairs_per_us"] = rates
 json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "check.json"), "w"))
