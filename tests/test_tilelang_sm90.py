@@ -1221,7 +1221,9 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
 @pytest.mark.parametrize("case", ["dense", "varlen-gva-options", "segments", "segments-weak-gates", "segments-mixed-gates",
                                   "segments-chained", "segments-chained-mixed-gates", "segments-exact",
                                   "fused-dense", "fused-varlen-gva-options", "fused-segments",
-                                  "fused-segments-weak-gates", "fused-segments-mixed-gates"])
+                                  "fused-segments-weak-gates", "fused-segments-mixed-gates",
+                                  "segments-wide-mixed-gates", "fused-segments-wide-mixed-gates",
+                                  "fused-segments-wide-plain-mixed-gates"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
@@ -1231,20 +1233,27 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     gates that barely decay, and one head of each), the chained route (where the exact route does not pay: the
     same warm-up, the reverse pass walking forward where it left a pair unsettled), or the exact route alone.
     fused-*: the same through the fused kernel (GDNKIT_SM90_FUSED_BACKWARD), its segments the wide route's, each
-    from its dS_end by the gated route; dq / dk per chunk and value head summed here. The kernels are float64
-    stand-ins of
-    their contracts; every gradient is checked against autograd through the float64 reference."""
+    from its dS_end by the gated route; dq / dk per chunk and value head summed here. *-wide-*: the forward takes
+    the wide route too (its pass over segments picked, or with -plain- the pass over sequences), and the recompute
+    replays both launches at 64 columns, the wide one walking as the forward did. The kernels are float64 stand-ins of their contracts;
+    every gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    monkeypatch.setattr(fwd, "BLOCK_V", 64)
     fused = case.startswith("fused-")
     monkeypatch.setattr(bwd, "FUSED", fused)
     case = case.removeprefix("fused-")
+    wide = "-wide-" in case
+    picked = "plain" if "-plain-" in case else "wide"
+    case = case.replace("-wide", "").replace("-plain", "")
     segments = case.startswith("segments")
-    if fused and segments:   # the wide route's segments (2 chunks) where a CPU has no SMs to fill
+    monkeypatch.setattr(fwd, "BLOCK_V", None if wide else 64)
+    if wide:   # the wide route in the forward and the backward (2-chunk segments), the device's pick forced
+        monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2)
+        monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0 if picked == "wide" else 1e9)
+    elif fused and segments:   # the wide route's segments (2 chunks) where a CPU has no SMs to fill
         monkeypatch.setattr(fwd, "wide_segment_chunks", lambda *_: 2)
     monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
     monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
@@ -1337,22 +1346,35 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     # the backward's flags: 4 segments (3 of the first sequence, one of the third; the second is empty); the gates
     # decay by ~15 a chunk, so the 1-chunk warm-up (2-chunk segments) settles; weak gates leave segments 0 and 1
     # unsettled, which need the transitions of segments 1 and 2
+    # (the staged path's backward after a wide-route forward takes the chained route, the fused path the gated one)
+    reverse_chained = chained or (wide and not fused)
     backward_flags = [f for reverse, f in flags if reverse]
-    assert backward_flags == {"segments": [[[0], [0], [0], [0]]], "segments-weak-gates": [[[0], [1], [1], [0]]],
-                              "segments-mixed-gates": [[[0, 0], [0, 1], [0, 1], [0, 0]]]}.get(case, []), flags
-    # chained: the walks instead, forward (chunks before each segment; two forward calls above) and reverse (after
-    # it): one chunk for the decaying head where there is one, all of them to the sequence's boundary for the
-    # barely decaying one
+    assert backward_flags == ([] if reverse_chained else {
+        "segments": [[[0], [0], [0], [0]]], "segments-weak-gates": [[[0], [1], [1], [0]]],
+        "segments-mixed-gates": [[[0, 0], [0, 1], [0, 1], [0, 0]]]}.get(case, [])), flags
+    # chained (and the wide route's forward): the walks instead, forward (chunks before each segment; two forward
+    # calls above) and reverse (after it): one chunk for the decaying head where there is one, all of them to the
+    # sequence's boundary for the barely decaying one
     fwd_walk, bwd_walk = {"segments-chained": ([[0], [1], [1], [0]], [[1], [1], [0], [0]]),
                           "segments-chained-mixed-gates": ([[0, 0], [1, 2], [1, 4], [0, 0]],
-                                                           [[1, 4], [1, 2], [0, 0], [0, 0]])}.get(case, (None, None))
-    assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)]), walks
+                                                           [[1, 4], [1, 2], [0, 0], [0, 0]])}.get(
+        "segments-chained-mixed-gates" if wide else case, (None, None))
+    assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)] * reverse_chained), \
+        walks
     # (the reverse pass's arguments end (..., chained, ds_only); ds_only chained builds are the gated warm-ups)
     walked = {name for name, args in calls if name == "state_output_kernel" and args[8]
               or name == "backward_state_kernel" and args[-2] and not args[-1]}
-    assert walked == ({"state_output_kernel", "backward_state_kernel"} if chained else set()), walked
+    want_walked = {"state_output_kernel"} if chained or wide else set()
+    assert walked == (want_walked | {"backward_state_kernel"} if reverse_chained else want_walked), walked
     warmed = any(name == "backward_state_kernel" and args[-2] and args[-1] for name, args in calls)
-    assert warmed == (segments and not chained and case != "segments-exact"), calls
+    assert warmed == (segments and not reverse_chained and case != "segments-exact"), calls
+    # the recompute (state_output_kernel's arguments end (..., block_v, store_states, emit_output, chained,
+    # store_x)) runs the three-warpgroup kernel, also for a wide-route forward's 128-column pass over segments,
+    # which it replays walking as the forward did: S0 only (the check of entering_states above, and the staged
+    # path's) or S0 and X (the fused path's)
+    recomputes = {args[-5:] for name, args in calls if name == "state_output_kernel" and args[6] and not args[7]}
+    assert {bv for bv, *_ in recomputes} <= set(fwd.WS_BLOCK_V), recomputes
+    assert not wide or {(64, True, False, True, x) for x in {False, fused}} <= recomputes, recomputes
     launched = {name for name, _ in calls}
     assert ("backward_fused_kernel" in launched) == fused and ("chunk_grads_kernel" in launched) != fused, launched
     _assert_in_family(calls, H, HV, "float16", training=True)
@@ -1790,6 +1812,11 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     20's ordered pairs; H200 runs, scratch/s20/dg_diff.py: six calls of the 16x32 case)."""
     launched = _fused_backward_forced(monkeypatch)
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit import seqlayout
+    states = []   # the state passes' builds: (block_v, store_states, emit_output, chained, store_x)
+    real_state = fwd.state_output_kernel
+    monkeypatch.setattr(fwd, "state_output_kernel", lambda *a: states.append(a[5:10]) or real_state(*a))
     dev, N = "cuda", len(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
     T = int(cu[-1])
@@ -1808,6 +1835,12 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
         outs, grads = ([o, ht], [do, dht]) if final else ([o], [do])
         runs.append(dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), grads))))
     assert launched, "the fused kernel did not run"
+    # where the training forward took the wide route (one program per segment and head at 128 columns), the
+    # recompute of S0 and X replays its segments' walks at 32 / 64 columns, as it replays every other pass
+    wide = fwd.wide_segment_chunks(seqlayout.sequence_layout(cu.to(torch.int32)), HV, torch.device(dev)) is not None
+    recomputes = {(bv, chained) for bv, keep, emit, chained, store_x in states if keep and not emit and store_x}
+    assert recomputes and all(bv in fwd.WS_BLOCK_V for bv, _ in recomputes), states
+    assert any(chained for _, chained in recomputes) == wide, (wide, states)
     rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
     want = {n: [] for n in ("q", "k", "v", "g", "beta", "initial_state")}
     with torch.no_grad():

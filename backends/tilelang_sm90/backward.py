@@ -221,7 +221,7 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: 
     calling stream before the fork and every use after the join is ordered behind the side stream's work, so its
     memory is never handed out while the side stream writes it (also under CUDA graph capture)."""
     if s.hs is not None or dev.type != "cuda" or forward.BLOCK_V is not None or \
-            2 * problem.HV * (s.states.n + n_reverse) > _sm_count_of(dev):
+            2 * problem.HV * (sum(launch.n for launch in s.states) + n_reverse) > _sm_count_of(dev):
         return None
     hs = torch.empty(s.layout.n_chunks, problem.HV, problem.K, problem.V, device=dev, dtype=s.k.dtype)
     side = _fork(dev)

@@ -96,7 +96,7 @@ def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
 
 
 def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) -> int | None:
-    """Chunks per segment for the wide route (forward.py, inference): the chained route with one 128-column
+    """Chunks per segment for the wide route (forward.py, inference and training): the chained route with one 128-column
     state-pass program per (segment, head), or None. Segments are cut where one program per (sequence, head)
     fills less than `fill` of the SMs, every sequence at one length, the shortest that keeps the (segment, head)
     pairs within one wave (H200, session 12: the wide pass walks a chunk in ~2.7 us at 128 columns where the

@@ -90,23 +90,25 @@ def _wide_route_available() -> bool:
 
 def wide_segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     """Chunks per segment of the wide route in one wave (context_parallel.wide_segment_chunks) where it can run.
-    The forward's inference and the backward's reverse pass take it."""
+    The forward (inference and, since session 32, training) and the backward's reverse pass take it."""
     if _wide_route_available():
         return context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
     return None
 
 
 def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, int]:
-    """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it):
-    inference takes the wide route where it applies, in one wave (wide_segment_chunks), else in several
-    (context_parallel.wide_waves_segment_chunks: the forward's inference only, the backward's reverse pass has not
-    been timed that way); everything else _segment_chunks' segments."""
-    if not train and _wide_route_available():
+    """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it): the
+    wide route where it applies, in one wave (wide_segment_chunks), else in several for inference only
+    (context_parallel.wide_waves_segment_chunks: the backward's reverse pass has not been timed that way);
+    everything else _segment_chunks' segments. Training takes the one-wave wide route too (session 32: its
+    forward is inference's, 15-45% faster than the 64-column pass it ran before at the quick points; the
+    backward's recompute replays the same segments at 32 / 64 columns, entering_states_and_x)."""
+    if _wide_route_available():
         sms = _sm_count_of(device)
         seg = context_parallel.wide_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
         if seg:
             return seg, 1
-        cut = context_parallel.wide_waves_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
+        cut = None if train else context_parallel.wide_waves_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
         if cut:
             return cut
     return _segment_chunks(layout, HV, device), 0
@@ -316,7 +318,9 @@ class Saved:
     tm: torch.Tensor              # T
     gamma: torch.Tensor           # [HV, num_chunks, 64]
     hs: torch.Tensor | None       # S0 of every chunk, [num_chunks, HV, K, V] in the inputs' dtype (KEEP_STATES)
-    states: StateLaunch           # how the forward ran its state pass (to recompute hs)
+    # how the forward ran its state pass, to recompute hs: one launch, or the wide route's two (the pass over
+    # segments and the plain pass over sequences, each over empty sequences where the device did not pick it)
+    states: tuple[StateLaunch, ...]
     layout: object                # gdnkit.seqlayout.SequenceLayout
     stash: dict                   # the prologue's (gdnkit.prep) inputs for its backward
     A_log: torch.Tensor | None
@@ -376,9 +380,9 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                 hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
         seg, waves = _segments(layout, HV, dev, train)
         wide = waves > 0
-        # inference's chained and wide routes take the walks' chunk sums from the intra kernel (emit_bound)
+        # the chained and wide routes take the walks' chunk sums from the intra kernel (emit_bound)
         row_bounds = torch.empty(layout.n_chunks, HV, device=dev, dtype=torch.float32) \
-            if seg and not train and _takes_chained_route(layout, HV, dev, wide) else None
+            if seg and _takes_chained_route(layout, HV, dev, wide) else None
         bound = torch.empty(1, 1, device=dev, dtype=torch.float32) if row_bounds is None else row_bounds
         intra_chunk_kernel(H, HV, dt, train, row_bounds is not None)(k, g, beta, layout.cu_seqlens, chunk_table, a,
                                                                     gamma, tm, bound)
@@ -399,8 +403,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                 # both are launched, the one not picked over empty sequences (its programs exit at once)
                 seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout, waves)
                 walk = (wide_walk, walk[1])
-            states = StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk)
-            _state_pass(states, problem, q, k, a, v, gamma, o, ht_seg, hs)
+            states = (StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk),)
+            _state_pass(states[0], problem, q, k, a, v, gamma, o, ht_seg, hs)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
                 ht = ht_seg[plan.segments.seg_offsets[1:].long() - 1]
@@ -410,6 +414,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             if choice is not None:
                 ht_plain = None if ht is None else torch.empty_like(ht)
                 plain = StateLaunch(plain_cu, layout.chunk_offsets, h0, N)
+                states += (plain,)
                 # in one wave (few pairs) the 64- or 32-column pass, in several the 128-column one
                 plain_block_v = _plan_state_block_v(N, HV, dev, wide=True) if waves > 1 else _plan_block_v(N, HV, dev)
                 _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=plain_block_v)
@@ -418,8 +423,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                     intermediates.update(wide_choice=choice)
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
-            states = StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N)
-            _state_pass(states, problem, q, k, a, v, gamma, o, ht, hs)
+            states = (StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N),)
+            _state_pass(states[0], problem, q, k, a, v, gamma, o, ht, hs)
         if intermediates is not None:
             intermediates.update(a=a, gamma=gamma.reshape(HV, -1), context_parallel=route,
                                  wide_segments=bool(route) and wide)
@@ -438,21 +443,26 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
 def entering_states(problem: Problem, s: Saved, out: torch.Tensor | None = None,
                     block_v: int | None = None) -> torch.Tensor:
     """Every chunk's entering state S0 [num_chunks, HV, K, V] in the inputs' dtype: the forward's if it kept them
-    (KEEP_STATES), else from the forward's state pass run again (its launch, no output; block_v: another V tile
-    for the same column-separable chain, backward._recompute_beside), into `out` where given."""
+    (KEEP_STATES), else from the forward's state passes run again (its launches, no output; block_v: another V
+    tile for the same column-separable chain, backward._recompute_beside), into `out` where given."""
     if s.hs is not None:
         return s.hs
     HV, K, V = problem.HV, problem.K, problem.V
     hs = out if out is not None else torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
-    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v)
+    for launch in s.states:
+        _state_pass(launch, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v)
     return hs
 
 
 def entering_states_and_x(problem: Problem, s: Saved, hs: torch.Tensor, xs: torch.Tensor) -> None:
-    """The state pass run again (as entering_states, even where the forward kept S0) writing every chunk's S0
+    """The state passes run again (as entering_states, even where the forward kept S0) writing every chunk's S0
     into hs [num_chunks, HV, K, V] and its X = V - diag(Gamma) K S0 into xs [1, tokens, HV, V] (the rows of its
     sequences; both in the inputs' dtype), for the fused backward. Always the three-warpgroup kernel (a 32- or
-    64-column tile, as _plan_block_v picks without BLOCK_V), the only one that stores X."""
-    block_v = _plan_block_v(s.states.n, problem.HV, s.k.device)
-    block_v = block_v if block_v in WS_BLOCK_V else WS_BLOCK_V[-1]
-    _state_pass(s.states, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v, xs=xs)
+    64-column tile, as _plan_block_v picks without BLOCK_V), the only one that stores X; also for the wide
+    route's launch, whose forward ran 128 columns: a 128-column recompute (one program per segment and head) was
+    26% slower than the 64-column one at 16/32 1x32768 (0.523 against 0.416 ms, H200 session 32: each program's
+    chain, not the bytes, bounds it; JOURNAL)."""
+    for launch in s.states:
+        block_v = _plan_block_v(launch.n, problem.HV, s.k.device)
+        block_v = block_v if block_v in WS_BLOCK_V else WS_BLOCK_V[-1]
+        _state_pass(launch, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v, xs=xs)

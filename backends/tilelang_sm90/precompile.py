@@ -52,7 +52,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
              for h0, ht, chained in itertools.product(flags, flags, flags)]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
-        jobs.append(Job("forward", "intra_chunk_kernel", (H, HV, dtype, True, False)))
+        jobs += [Job("forward", "intra_chunk_kernel", (H, HV, dtype, True, bound)) for bound in flags]
         # the recompute: S0 alone (the staged path), S0 and X (the fused path)
         stores_x = {"staged": (False,), "fused": (True,), "both": flags}[backward]
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained, x))
