@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 import gdnkit
 from gdnkit.backends.tilelang_sm90 import forward as fwd
+from gdnkit.benchmarks.inputs import _gates
 
 real_segments = fwd._segments
 
@@ -17,15 +18,21 @@ def main_segments(layout, HV, device, train):
 
 
 FORMS = {"wide": real_segments, "main": main_segments}
-POINTS = [(4, 8, 8192), (4, 8, 32768), (16, 32, 8192), (16, 32, 32768)]
+POINTS = [(4, 8, 8192, "random"), (4, 8, 32768, "random"), (16, 32, 8192, "random"), (16, 32, 32768, "random")]
+if os.environ.get("AB_POINTS"):   # e.g. 2x8x32768,16x32x32768m (m: model-like gates, benchmarks/inputs.py's)
+    POINTS = [(*map(int, p.rstrip("m").split("x")), "model" if p.endswith("m") else "random")
+              for p in os.environ["AB_POINTS"].split(",")]
 OUT = os.environ.get("OUT", ".")
 
 
-def inputs(H, HV, T):
+def inputs(H, HV, T, gates):
     gen = torch.Generator(device="cuda").manual_seed(T + H)
     r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     x = dict(q=F.normalize(r(1, T, H, 128), dim=-1).bfloat16(), k=F.normalize(r(1, T, H, 128), dim=-1).bfloat16(),
              v=r(1, T, HV, 128).bfloat16(), g=F.logsigmoid(r(1, T, HV)), beta=torch.sigmoid(r(1, T, HV)))
+    if gates == "model":
+        os.environ["GDNKIT_BENCH_GATES"] = "model"
+        x["g"] = _gates((1, T, HV), gen, torch.device("cuda"))
     return {n: t.requires_grad_() for n, t in x.items()}, r(1, T, HV, 128).bfloat16()
 
 
@@ -49,9 +56,9 @@ def graph_ms(fn, reps=30):
 
 
 res = {}
-for H, HV, T in POINTS:
-    x, do = inputs(H, HV, T)
-    key = f"{H}/{HV} 1x{T}"
+for H, HV, T, gates in POINTS:
+    x, do = inputs(H, HV, T, gates)
+    key = f"{H}/{HV} 1x{T}" + (" model gates" if gates == "model" else "")
     fwd_only = lambda: gdnkit.chunk_gated_delta_rule(**x, backend="tilelang_sm90")[0]
     both = lambda: torch.autograd.grad(gdnkit.chunk_gated_delta_rule(**x, backend="tilelang_sm90")[0],
                                        list(x.values()), do)
