@@ -1235,8 +1235,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     fused-*: the same through the fused kernel (GDNKIT_SM90_FUSED_BACKWARD), its segments the wide route's, each
     from its dS_end by the gated route; dq / dk per chunk and value head summed here. *-wide-*: the forward takes
     the wide route too (its pass over segments picked, or with -plain- the pass over sequences), and the recompute
-    replays both launches at 64 columns, the wide one walking as the forward did. The kernels are float64 stand-ins of their contracts;
-    every gradient is checked against autograd through the float64 reference."""
+    replays both launches at 64 columns, the wide one walking as the forward did. The kernels are float64
+    stand-ins of their contracts; every gradient is checked against autograd through the float64 reference."""
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd

@@ -220,6 +220,8 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: 
     finds S0 in L2 where it fits (4/8 1x8192: 33 MB; running it first cost ~0.03 ms). hs is allocated on the
     calling stream before the fork and every use after the join is ordered behind the side stream's work, so its
     memory is never handed out while the side stream writes it (also under CUDA graph capture)."""
+    # every launch counts, also the one of a wide-route forward's pair that the device left over empty sequences
+    # (which one it picked is not known here without a read back)
     if s.hs is not None or dev.type != "cuda" or forward.BLOCK_V is not None or \
             2 * problem.HV * (sum(launch.n for launch in s.states) + n_reverse) > _sm_count_of(dev):
         return None
