@@ -11,6 +11,8 @@ import functools
 import inspect
 import re
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +68,7 @@ def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
 # 232704 and 232448 bytes that way on the H200.
 SM90_BLOCK_SHARED = 232448
 STATIC_SHARED = 2048
+SM90_SM_SHARED = 233472   # what the blocks resident on one SM share (228 KB)
 
 
 def _dynamic_shared_bytes(kernel) -> int:
@@ -189,6 +192,30 @@ def test_recompute_with_x_compiles_to_wgmma_and_tma(H, HV, dtype, bv, chained):
     assert src.count("wgmma_ss<") == 3     # K S, Tb X, K^T U_d: X's store adds no product
     without = _source("state_output_ws", H, HV, dtype, **options)
     assert "tma_store(hs_desc" in without and "o_desc" not in without
+
+
+@pytest.mark.parametrize("H,HV,dtype,chained", [(16, 32, "bfloat16", True), (4, 8, "float16", False)])
+def test_recompute_two_an_sm_fits_an_sm_twice(H, HV, dtype, chained):
+    """The fused backward's recompute at two programs an SM (per_sm=2, 64 columns, session 33): launched for two
+    blocks an SM, so ptxas holds it to 80 registers at launch without spills; two blocks' shared memory fits one
+    SM; X is made in V's stage tile and leaves from there by TMA (no X hand-over tile), beside S0 from its slot, the
+    two stores waited for once; the chain's three products as at one program an SM."""
+    _tilelang()
+    from gdnkit.benchmarks.sass_roles import cubin
+    options = dict(has_initial_state=True, store_final_state=False, block_v=64, stages=2, store_states=True,
+                   emit_output=False, chained=chained, store_x=True, per_sm=2)
+    kernel = _kernel("state_output_ws", H, HV, dtype, **options)
+    src = kernel.get_kernel_source()
+    _assert_hopper_paths(src)
+    assert "__launch_bounds__(384, 2)" in src
+    assert re.search(r"tma_store\(o_desc, \(&\(\(\(\w+\*\)v_s\)", src) and "xh_s" not in src
+    assert "tma_store(hs_desc" in src and src.count("tma_store_wait") == 1
+    assert src.count("wgmma_ss<") == 3
+    assert 2 * (_dynamic_shared_bytes(kernel) + STATIC_SHARED) <= SM90_SM_SHARED
+    with tempfile.TemporaryDirectory() as tmp:
+        report = cubin(src, Path(tmp), fast_math=True)[1]
+    used = re.search(r"Used (\d+) registers", report)
+    assert used and int(used.group(1)) <= 80 and "0 bytes spill stores" in report, report
 
 
 @pytest.mark.parametrize("H,HV,dtype,chained", [(2, 8, "bfloat16", True), (16, 64, "float16", False)])
@@ -1207,8 +1234,8 @@ def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
                                                              lambda H, HV, dt, emit_t=False, emit_bound=False: _intra_stand_in))
     monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
         calls, "state_output_kernel",
-        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False, store_x=False:
-        _state_stand_in(has_h0, store_ht, store_states, emit_output, chained, store_x)))
+        lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False, store_x=False,
+        per_sm=1: _state_stand_in(has_h0, store_ht, store_states, emit_output, chained, store_x)))
 
 
 def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) -> None:
@@ -1368,11 +1395,13 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     assert walked == (want_walked | {"backward_state_kernel"} if reverse_chained else want_walked), walked
     warmed = any(name == "backward_state_kernel" and args[-2] and args[-1] for name, args in calls)
     assert warmed == (segments and not reverse_chained and case != "segments-exact"), calls
-    # the recompute (state_output_kernel's arguments end (..., block_v, store_states, emit_output, chained,
-    # store_x)) runs the three-warpgroup kernel, also for a wide-route forward's 128-column pass over segments,
+    # the recompute (state_output_kernel's arguments 5-10: block_v, store_states, emit_output, chained, store_x,
+    # per_sm) runs the three-warpgroup kernel, also for a wide-route forward's 128-column pass over segments,
     # which it replays walking as the forward did: S0 only (the check of entering_states above, and the staged
-    # path's) or S0 and X (the fused path's)
-    recomputes = {args[-5:] for name, args in calls if name == "state_output_kernel" and args[6] and not args[7]}
+    # path's) or S0 and X (the fused path's, two programs an SM at 64 columns)
+    recomputes = {args[5:10] for name, args in calls if name == "state_output_kernel" and args[6] and not args[7]}
+    assert all(per_sm == fwd.recompute_per_sm(args[5], args[9]) for name, (*args, per_sm) in calls
+               if name == "state_output_kernel"), calls
     assert {bv for bv, *_ in recomputes} <= set(fwd.WS_BLOCK_V), recomputes
     assert not wide or {(64, True, False, True, x) for x in {False, fused}} <= recomputes, recomputes
     launched = {name for name, _ in calls}

@@ -375,10 +375,12 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     placeholder = _placeholder(dev, HV, K, V)
     # in segments, the segments' dS_ends (the gated route: its search, warm-up and exact kernels, ~0.03 ms of mostly
     # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream beside
-    # them, its outputs allocated here before the fork and read after the join (as _recompute_beside). The
-    # recompute's programs hold 128 SMs' registers; the route's small launches take the rest and the gaps (H200
-    # session 28, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192, 16/32
-    # 1x32768; eager profiles then count the route's kernels over their stretched spans)
+    # them, its outputs allocated here before the fork and read after the join (as _recompute_beside). At one
+    # program an SM the recompute held 128 SMs' registers and the route's small launches took the rest and the gaps
+    # (H200 session 28, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192,
+    # 16/32 1x32768; eager profiles then count the route's kernels over their stretched spans); at two an SM (session
+    # 33) its programs leave no SM whole for the route's 128-column pass until they end, and the backward is still
+    # 2.5-4% faster than at one
     side = _fork(dev) if seg and dev.type == "cuda" else None
     with torch.cuda.stream(side):   # None: the current stream
         forward.entering_states_and_x(problem, s, buf, dv)

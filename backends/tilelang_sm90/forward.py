@@ -50,6 +50,11 @@ WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output
 # its TMA ring depth per V tile (H200, run 3 of session 4, state kernel ms at 3 / 2 stages): 4/16 1x32768
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
 WS_STAGES = {32: 3, 64: 2}
+# programs an SM of the fused backward's recompute (S0 and X, no output) at 64 columns: 2 (state_output_ws.py's
+# per_sm build, one hand-over slot) or 1; GDNKIT_SM90_RECOMPUTE_PER_SM sets it (session 33's A/B)
+RECOMPUTE_PER_SM = int(os.environ.get("GDNKIT_SM90_RECOMPUTE_PER_SM", "2"))
+if RECOMPUTE_PER_SM not in (1, 2):
+    raise ValueError(f"GDNKIT_SM90_RECOMPUTE_PER_SM must be 1 or 2, got {RECOMPUTE_PER_SM}")
 # the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
 # (ptxas: 168 registers, no spills at 256 threads)
 PIPELINED_THREADS = 256
@@ -243,21 +248,28 @@ def _pipelined(block_v: int, store_states: bool) -> bool:
 @functools.lru_cache(maxsize=None)
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
                         block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False,
-                        store_x: bool = False):
+                        store_x: bool = False, per_sm: int = 1):
     """The state pass for a V tile: three warpgroups below 128 columns; at 128 the wide kernel where no S0 is
     stored, else the pipelined one (both always write O; the pipelined one walks nothing: no chained runs).
-    store_x: the recompute that also leaves X for the fused backward (three warpgroups only)."""
+    store_x: the recompute that also leaves X for the fused backward (three warpgroups only); per_sm: its
+    programs an SM (recompute_per_sm)."""
     if block_v in WS_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
-                         emit_output=emit_output, chained=chained, store_x=store_x)
-    assert emit_output and not store_x, "the 128-column state passes always write O, and never X"
+                         emit_output=emit_output, chained=chained, store_x=store_x, per_sm=per_sm)
+    assert emit_output and not store_x and per_sm == 1, "the 128-column state passes always write O, never X"
     if not _pipelined(block_v, store_states):
         return _jit()[4](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                          chained=chained)
     assert not chained, "the pipelined state pass never walks back"
     return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
+
+
+def recompute_per_sm(block_v: int, store_x: bool) -> int:
+    """The programs an SM of a state pass's build: RECOMPUTE_PER_SM for the fused backward's recompute at 64
+    columns (S0 and X stored, no output: the only build that fits two), else 1."""
+    return RECOMPUTE_PER_SM if store_x and block_v == 64 else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,7 +308,7 @@ def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht,
     store_x = xs is not None   # (state_output_kernel and the program assert the build it needs)
     chained = launch.walk is not None
     kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
-                                 block_v, hs is not None, emit, chained, store_x)
+                                 block_v, hs is not None, emit, chained, store_x, recompute_per_sm(block_v, store_x))
     args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
             placeholder if launch.init is None else launch.init, o if emit else xs if store_x else stub,
             placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
@@ -461,7 +473,8 @@ def entering_states_and_x(problem: Problem, s: Saved, hs: torch.Tensor, xs: torc
     64-column tile, as _plan_block_v picks without BLOCK_V), the only one that stores X; also for the wide
     route's launch, whose forward ran 128 columns: a 128-column recompute (one program per segment and head) was
     26% slower than the 64-column one at 16/32 1x32768 (0.523 against 0.416 ms, H200 session 32: each program's
-    chain, not the bytes, bounds it; JOURNAL)."""
+    chain, not the bytes, bounds it; JOURNAL). At 64 columns two programs share an SM (recompute_per_sm: 0.424 ->
+    0.372 ms there, H200 session 33)."""
     for launch in s.states:
         block_v = _plan_block_v(launch.n, problem.HV, s.k.device)
         block_v = block_v if block_v in WS_BLOCK_V else WS_BLOCK_V[-1]

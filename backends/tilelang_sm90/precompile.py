@@ -39,25 +39,27 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     passes its segments' gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
-    from .forward import WS_BLOCK_V
+    from .forward import WS_BLOCK_V, recompute_per_sm
 
     flags = (False, True)
     # the last flag: emit_bound (the chained and wide routes' walks read the intra kernel's chunk sums)
     jobs = [Job("forward", "intra_chunk_kernel", (H, HV, dtype, False, bound)) for bound in flags]
-    # the last flags: chained (context parallelism's chained route), store_x (the fused backward's recompute)
-    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained, False))
+    # the last arguments: chained (context parallelism's chained route), store_x (the fused backward's recompute),
+    # its programs an SM (forward.recompute_per_sm; 1 for every other pass)
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained, False, 1))
              for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
     # the wide kernel: passes without S0 stores whose (sequence or segment, head) programs fill the SMs
-    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, 128, False, True, chained, False))
+    jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, 128, False, True, chained, False, 1))
              for h0, ht, chained in itertools.product(flags, flags, flags)]
     jobs.append(Job("forward", "propagator_kernel", (H, HV, dtype)))
     if training:
         jobs += [Job("forward", "intra_chunk_kernel", (H, HV, dtype, True, bound)) for bound in flags]
         # the recompute: S0 alone (the staged path), S0 and X (the fused path)
         stores_x = {"staged": (False,), "fused": (True,), "both": flags}[backward]
-        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained, x))
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained, x,
+                                                        recompute_per_sm(bv, x)))
                  for h0, bv, chained, x in itertools.product(flags, WS_BLOCK_V, flags, stores_x)]
-        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained, False))
+        jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained, False, 1))
                  for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]   # KEEP_STATES
         if backward != "fused":
             jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained, False))

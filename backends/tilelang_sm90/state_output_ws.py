@@ -19,7 +19,8 @@ i + 1. In state_output.py the output gemms and stores run in series with the cha
 
 Barriers (slot s = i % STAGES for the loads, i % 2 for the hand-over; phase parity = (i // slots) % 2):
     loaded[s]    producer -> both consumers: stage s holds chunk i (TMA bytes + 128 producer arrivals)
-    freed[s]     both consumers -> producer: stage s may be overwritten (256 arrivals)
+    freed[s]     both consumers -> producer: stage s may be overwritten (256 arrivals; the recompute's: the state
+                 role's 128, and the store role's where X is made in the stage, per_sm=2)
     su_ready[s]  state -> output: s_s[s] and u_s[s] hold chunk i's S and U (128 arrivals)
     su_free[s]   output -> state: s_s[s] and u_s[s] may be overwritten (128 arrivals)
 A wait for a "free" barrier uses the flipped parity, so the first round passes at once.
@@ -54,7 +55,7 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                          store_final_state: bool = False, block_v: int = 64, stages: int = 3,
                          store_states: bool = False, emit_output: bool = True, chained: bool = False,
-                         store_x: bool = False, K: int = 128, V: int = 128):
+                         store_x: bool = False, per_sm: int = 1, K: int = 128, V: int = 128):
     """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
     V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
     is a 1-element placeholder the kernel never touches.
@@ -65,7 +66,12 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     untouched), where the fused backward reads it instead of making it again (backward_fused.py; the caller passes
     dV's buffer, which that kernel overwrites chunk by chunk after reading X).
     chained: `walk` [num_walk >= num_seqs, HV] and `before` [num_walk] int32 are read (module docstring);
-    otherwise they are placeholders the kernel never touches."""
+    otherwise they are placeholders the kernel never touches.
+    per_sm=2 (store_x only, 2 stages): two programs share an SM (`__launch_bounds__(384, 2)`: 80 registers a
+    thread at launch, the state role raising itself to 192 while the other two drop to 24; 107008 bytes of shared
+    memory against 123392), so one program's chain runs while the other's waits. X is made in place in V's stage
+    tile (V's only reader is X's own pass) instead of a hand-over slot of its own, so the stage is freed by the
+    store role too, once its TMA stores of S0 and X (one wait for both) have read their tiles."""
     C = CHUNK
     BV = block_v     # <= 64: three stages of Q/K/Tb/V (48 KB each at 64) plus the hand-over tiles fit ~217 KB
     NV = V // BV
@@ -73,8 +79,11 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     assert HV % H == 0 and K == 128 and V == 128 and BV in (32, 64) and stages in (2, 3)
     assert emit_output or store_states, "a pass that writes neither O nor S0"
     assert not store_x or (store_states and not emit_output), "X leaves only beside S0, through o's argument"
+    assert per_sm == 1 or (per_sm == 2 and store_x and stages == 2), "two an SM: the recompute with X, 2 stages"
     SLOTS = 2                                          # S/U hand-over slots
-    PRODUCER_REGS, CONSUMER_REGS = 40, 232
+    # setmaxnreg budgets (producer, state, the third role): at one program an SM 65536 / 384 = 168 at launch
+    # rebalanced, at two 80 (ptxas' cap for 768 threads), 128 x (24 + 192 + 24) = 384 x 80
+    PRODUCER_REGS, CONSUMER_REGS, THIRD_REGS = (40, 232, 232) if per_sm == 1 else (24, 192, 24)
     GROUP = HV // H
 
     num_tokens = T.dynamic("num_tokens")
@@ -85,6 +94,22 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     num_walk = T.dynamic("num_walk")
     HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
     O_SHAPE = (1, num_tokens, HV, V) if emit_output or store_x else (1, 1, 1, 1)
+
+    @T.macro
+    def release_walked(pre, loaded, freed):
+        """The walk's chunks in a role that reads none of them: only release their stages (freed counts it)."""
+        for i in T.serial(pre):
+            s = i % stages
+            T.barrier_wait(loaded[s], (i // stages) % 2)
+            T.barrier_arrive(freed[s])
+
+    @T.macro
+    def store_rows(tiles, slot, o, t0, n_valid, hv, v0):
+        """A tail chunk's valid rows by the threads, from tiles[slot]: a TMA box would overwrite the next
+        sequence's."""
+        for r, j in T.Parallel(C, BV):
+            if r < n_valid:
+                o[0, t0 + r, hv, v0 + j] = tiles[slot, r, j]
 
     @T.prim_func
     def gdn_state_output_ws(
@@ -104,6 +129,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
         before: T.Tensor((num_walk,), "int32"),
     ):
         with T.Kernel(NV, HV, num_seqs, threads=THREADS) as (bv, hv, n):
+            if per_sm > 1:
+                T.annotate_min_blocks_per_sm(per_sm)
             hk = hv // GROUP
             v0 = bv * BV
             bos, eos, n_chunks, c0 = sequence_bounds(cu_seqlens, chunk_offsets, n)
@@ -123,7 +150,8 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             if emit_output:
                 u_s = T.alloc_shared((SLOTS, C, BV), dtype)
                 o_s = T.alloc_shared((C, BV), dtype)  # output: O of a full chunk, the source of its TMA store
-            if store_x:
+            x_in_stage = store_x and per_sm == 2   # X in V's stage tile, freed by the store role too
+            if store_x and not x_in_stage:
                 xh_s = T.alloc_shared((SLOTS, C, BV), dtype)   # X: state -> the S0 store's warpgroup, beside S
             # private to the state role
             x_s = T.alloc_shared((C, BV), dtype)      # X = V - diag(Gamma) K S (where not handed over), then
@@ -144,8 +172,9 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             g_last = T.alloc_var(accum)
 
             loaded = T.alloc_barrier(arrive_count=[128] * stages)
-            # the stage's readers: the state warpgroup, and the output warpgroup where there is output
-            freed = T.alloc_barrier(arrive_count=[256 if emit_output else 128] * stages)
+            # the stage's readers: the state warpgroup, and the output warpgroup where there is output, or the
+            # store role where X is made in the stage
+            freed = T.alloc_barrier(arrive_count=[256 if emit_output or x_in_stage else 128] * stages)
             su_ready = T.alloc_barrier(arrive_count=[128] * SLOTS)
             su_free = T.alloc_barrier(arrive_count=[128] * SLOTS)
 
@@ -188,16 +217,22 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                         e_x[r] = T.exp(g_s[s, r])
                         e_u[r] = T.exp(g_last - g_s[s, r])
                     T.wait_wgmma(0)
-                    for r, j in T.Parallel(C, BV):
-                        x[r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * e_x[r], 0.0)
-                    if store_x:  # in the hand-over slot, which the product reads as well (no extra copy)
-                        T.copy(x, xh_s[h, :, :])
+                    if x_in_stage:   # each thread overwrites the elements of V it has just read
+                        for r, j in T.Parallel(C, BV):
+                            v_s[s, r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * e_x[r], 0.0)
                         T.fence_proxy_async()
-                        T.wgmma_gemm(a_s[s, :, :], xh_s[h, :, :], x, clear_accum=True)    # U = Tb X
+                        T.wgmma_gemm(a_s[s, :, :], v_s[s, :, :], x, clear_accum=True)    # U = Tb X
                     else:
-                        T.copy(x, x_s)
-                        T.fence_proxy_async()
-                        T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)               # U = Tb X
+                        for r, j in T.Parallel(C, BV):
+                            x[r, j] = T.if_then_else(r < n_valid, v_s[s, r, j] - x[r, j] * e_x[r], 0.0)
+                        if store_x:  # in the hand-over slot, which the product reads as well (no extra copy)
+                            T.copy(x, xh_s[h, :, :])
+                            T.fence_proxy_async()
+                            T.wgmma_gemm(a_s[s, :, :], xh_s[h, :, :], x, clear_accum=True)    # U = Tb X
+                        else:
+                            T.copy(x, x_s)
+                            T.fence_proxy_async()
+                            T.wgmma_gemm(a_s[s, :, :], x_s, x, clear_accum=True)               # U = Tb X
                     T.wait_wgmma(0)
                     for r, j in T.Parallel(C, BV):
                         x[r, j] = T.if_then_else(r < n_valid, x[r, j], 0.0)
@@ -218,29 +253,41 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                     T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
             elif not emit_output:
                 # ---- S0 only (the backward's recompute): the hand-over tile to hs ----
-                T.set_max_nreg(CONSUMER_REGS, 1)
-                for i in T.serial(n_chunks):  # own chunks only: the walk's are another program's
-                    h = i % SLOTS
-                    T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
-                    T.copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])
-                    if store_x:  # as O's stores: a full chunk by TMA, a tail's valid rows by threads
+                T.set_max_nreg(THIRD_REGS, 1 if per_sm == 1 else 0)
+                if x_in_stage:
+                    release_walked(pre, loaded, freed)
+                    for i in T.serial(n_chunks):
+                        s = (pre + i) % stages
+                        h = i % SLOTS
                         t0 = bos + i * C
                         n_valid = T.min(eos - t0, C)
+                        # past su_ready, chunk i's stage has loaded, so this arrival on freed counts toward its use
+                        T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
+                        T.tma_copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])   # TMA stores, waited for below
                         if n_valid == C:
-                            T.copy(xh_s[h, :, :], o[0, t0:t0 + C, hv, v0:v0 + BV])
+                            T.tma_copy(v_s[s, :, :], o[0, t0:t0 + C, hv, v0:v0 + BV])
                         else:
-                            for r, j in T.Parallel(C, BV):
-                                if r < n_valid:
-                                    o[0, t0 + r, hv, v0 + j] = xh_s[h, r, j]
-                    T.barrier_arrive(su_free[h])
+                            store_rows(v_s, s, o, t0, n_valid, hv, v0)
+                        T.tma_store_wait(0)   # both stores' reads of their tiles, by the thread that issued them
+                        T.barrier_arrive(su_free[h])
+                        T.barrier_arrive(freed[s])
+                else:
+                    for i in T.serial(n_chunks):  # own chunks only: the walk's are another program's
+                        h = i % SLOTS
+                        T.barrier_wait(su_ready[h], (i // SLOTS) % 2)
+                        T.copy(s_s[h, :, :], hs[c0 + i, hv, 0:K, v0:v0 + BV])
+                        if store_x:  # as O's stores: a full chunk by TMA, a tail's valid rows by threads
+                            t0 = bos + i * C
+                            n_valid = T.min(eos - t0, C)
+                            if n_valid == C:
+                                T.copy(xh_s[h, :, :], o[0, t0:t0 + C, hv, v0:v0 + BV])
+                            else:
+                                store_rows(xh_s, h, o, t0, n_valid, hv, v0)
+                        T.barrier_arrive(su_free[h])
             else:
                 # ---- output ----
                 T.set_max_nreg(CONSUMER_REGS, 1)
-                for i in T.serial(pre):
-                    # the walk's chunks: only release their stages (the producer counts both readers)
-                    s = i % stages
-                    T.barrier_wait(loaded[s], (i // stages) % 2)
-                    T.barrier_arrive(freed[s])
+                release_walked(pre, loaded, freed)
                 for i in T.serial(n_chunks):
                     s = (pre + i) % stages
                     h = i % SLOTS
