@@ -54,7 +54,7 @@ KERNELS = {
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
                           REVERSE=False, f=None)),  # None: as launched
     "segment_states_gated": ("context_parallel", "gated_segment_states_kernel",
-                             dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, REVERSE=True)),
+                             dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, REVERSE=True, IN_PLACE=True)),
     # tilelang_sm90's warm-up flags run in Triton too (warmup_bound.py), at a grouped head count
     "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),

@@ -233,13 +233,14 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_m
 
 @settings(max_examples=20, deadline=None)
 @given(counts=st.lists(st.integers(0, 4), min_size=1, max_size=3), reverse=st.booleans(), has_h0=st.booleans(),
-       flagged=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**16))
-def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, seed):
+       flagged=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**16), in_place=st.booleans())
+def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, seed, in_place):
     """The gated route's segment states (triton_generic's gated_segment_states_kernel, one program per segment and
     head) against the scan they replace, a dependent step per segment: walking each sequence's segments from its
     boundary (first to last; last to first with reverse), a segment's state is the boundary's (h0 / dht, or zero)
     for the first, then the neighbour's transition (P S + E; P^T S + F with reverse) where need flags that
-    neighbour, else its warm state. Flags none, half or all set, so chains of transitions of every length."""
+    neighbour, else its warm state. Flags none, half or all set, so chains of transitions of every length; in
+    place (the states written over warm, the sm90 backward's form) too."""
     from gdnkit.backends.triton_generic.context_parallel import segment_scan
     gen = torch.Generator().manual_seed(seed)
     HV, Kd, Vd = 2, 16, 16
@@ -253,8 +254,11 @@ def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, s
     f = r(n_seg, HV, Kd, Vd) if reverse else None
     h0 = r(N, HV, Kd, Vd) if has_h0 else None
     need = (torch.rand(n_seg, HV, generator=gen) < flagged).to(torch.int32)
+    warm_in = warm.clone()
     got, _ = segment_scan(aug, h0, seg_offsets, N, HV, Kd, Vd, False, False, "ieee", f=f, need=need, warm=warm,
-                          seq_of=seq_of)
+                          seq_of=seq_of, in_place=in_place)
+    assert (got.data_ptr() == warm.data_ptr()) == in_place
+    warm = warm_in
     want = torch.empty_like(got)
     for n in range(N):
         order = list(range(int(seg_offsets[n]), int(seg_offsets[n + 1])))

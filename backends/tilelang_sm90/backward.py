@@ -142,7 +142,8 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=No
     forward's propagator), its dS at the start from a zero dS_end (F: the reverse pass per segment storing
     nothing else, ds_only), then the reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. need ([n_seg, HV]
     int32) and warm (the gated route): only the pairs need marks get P and F, the scan takes warm's dS_end
-    elsewhere, and dh0 is left to the caller."""
+    elsewhere, writing the others over warm (in place: where nothing is flagged the launch moves no state, session
+    33), and dh0 is left to the caller."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
     gate = open_gate(dev, HV) if need is None else need
@@ -153,7 +154,7 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=No
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, _placeholder(dev, HV, K, V),
         *_untouched(dev, s.v.dtype), f, float(problem.scale), gate, *_no_walks(dev, HV))
     return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
-                                           f=f, need=need, warm=warm)
+                                           f=f, need=need, warm=warm, in_place=warm is not None)
 
 
 def _ds_only_block_v(n_seg: int, HV: int, dev: torch.device) -> int:

@@ -254,15 +254,16 @@ def plan_segments(layout: SequenceLayout, seg: int) -> SegmentPlan:
 
 
 def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_final_state: bool, dtype: torch.dtype,
-                   f: torch.Tensor | None = None, need: torch.Tensor | None = None, warm: torch.Tensor | None = None):
+                   f: torch.Tensor | None = None, need: torch.Tensor | None = None, warm: torch.Tensor | None = None,
+                   in_place: bool = False):
     """Step 2, from step 1's aug [n_seg, HV, K, V + K]: every segment's initial state [n_seg, HV, K, V] fp32 and
     the sequences' final states. With f (the backward's dS at each segment's start from a zero dS_end), the
     reverse scan dS_end_{j-1} = P_j^T dS_end_j + f_j instead: h0 is dht, and it returns every segment's dS_end
     and the sequences' dh0. need, warm (the gated route): each segment's state from warm where need says its
-    neighbour's transition was not computed."""
+    neighbour's transition was not computed; in_place: written over warm (triton_generic's segment_scan)."""
     from gdnkit.backends.triton_generic._common import dot_precision
     from gdnkit.backends.triton_generic.context_parallel import segment_scan
 
     _, HV, K, VK = aug.shape
     return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,
-                        dot_precision(dtype), f=f, need=need, warm=warm, seq_of=plan.walks.seq_of)
+                        dot_precision(dtype), f=f, need=need, warm=warm, seq_of=plan.walks.seq_of, in_place=in_place)

@@ -66,13 +66,15 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, PREC: tl.constexpr, HV:
 @triton.jit
 def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm, PREC: tl.constexpr,
                                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                                HAS_H0: tl.constexpr, REVERSE: tl.constexpr):
+                                HAS_H0: tl.constexpr, REVERSE: tl.constexpr, IN_PLACE: tl.constexpr):
     """tilelang_sm90's graph-safe warm-up route: the scan's states, one program per (segment, head, V tile). Segment
     s's state is the boundary's (h0; dht with REVERSE) for its sequence's first segment (last), else warm[s] where
     need leaves its neighbour's transition uncomputed (need[s - 1, head] == 0; need[s + 1, head] with REVERSE),
     else that transition applied to the neighbour's state. So each program walks its flagged neighbours towards
     the boundary to the nearest state not made by a transition and applies their transitions back: one load and
-    store where no pair is flagged, where the scan took a dependent step per segment."""
+    store where no pair is flagged, where the scan took a dependent step per segment. IN_PLACE (s0 is warm): a
+    segment whose state is its own warm state loads and stores nothing; the others write over theirs, which no
+    program reads (a program reads warm only at the segment its walk stops at, whose own walk stops at once)."""
     i_v, i_sh = tl.program_id(0), tl.program_id(1)
     s, i_h = (i_sh // HV).to(tl.int64), i_sh % HV
     i_n = tl.load(seq_of + s)
@@ -89,34 +91,39 @@ def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm,
         flagged = tl.load(need + nt * HV + i_h) != 0
         t = tl.where(flagged, nt, t)
         go = flagged & (nt != edge)
-    from_warm = mv & ((cv * 0 + t) != edge)   # as a tile: a scalar mask the interpreter refuses
+    made = mv   # the tile's columns this program writes (as tiles: scalar masks the interpreter refuses)
+    if IN_PLACE:
+        made = mv & (((cv * 0 + t) != s) | ((cv * 0 + t) == edge))
+    from_warm = made & ((cv * 0 + t) != edge)
     S = tl.load(warm + (t * HV + i_h) * K * V + tile, mask=from_warm[None, :], other=0.0)
     if HAS_H0:
-        at_edge = mv & ((cv * 0 + t) == edge)
+        at_edge = made & ((cv * 0 + t) == edge)
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + s_off, mask=at_edge[None, :], other=0.0)
     for j in range((t - s) * step):
         S = _transition(aug, f, t - j * step, i_h, S, ck, cv, mv, tile, PREC, HV, K, V, REVERSE)
-    tl.store(s0 + (s * HV + i_h) * K * V + tile, S, mask=mv[None, :])
+    tl.store(s0 + (s * HV + i_h) * K * V + tile, S, mask=made[None, :])
 
 
 def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_state, prec, f=None, need=None,
-                 warm=None, seq_of=None):
+                 warm=None, seq_of=None, in_place=False):
     """Returns (S0 of every segment [n_seg, HV, K, V] fp32, the sequences' final states or None).
 
     With f (the segments' dS0 from a zero terminal gradient) it runs the backward's reverse scan instead:
     h0 is dht, the first return the true dS_end of every segment, the second dh0. With need ([n_seg, HV] int32),
     warm ([n_seg, HV, K, V] fp32, states from warm-ups) and seq_of ([n_seg], each segment's sequence): a segment's
     state comes from warm where need says its neighbour's transition was not computed
-    (gated_segment_states_kernel; no final states)."""
+    (gated_segment_states_kernel; no final states); in_place: the states are written over warm, which is returned
+    (where no pair is flagged the launch then moves no state, the copy of warm that it was otherwise)."""
     n_seg = aug.shape[0]
-    s0 = torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
+    assert not in_place or need is not None
+    s0 = warm if in_place else torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
     # P [K, K] fp32 goes through shared memory: narrow S blocks keep it at ~80 KB (sm86/89 fit)
     BV = min(16, next_power_of_2(V))
     if need is not None:
         assert not output_final_state and not state_v_first and seq_of is not None
         launch("segment_scan", aug.dtype, gated_segment_states_kernel, (cdiv(V, BV), n_seg * HV),
                aug, f, h0, s0, seg_offsets, seq_of, need, warm, PREC=prec, HV=HV, K=K, V=V, BV=BV,
-               HAS_H0=h0 is not None, REVERSE=f is not None)
+               HAS_H0=h0 is not None, REVERSE=f is not None, IN_PLACE=in_place)
         return s0, None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None

@@ -98,3 +98,25 @@ def print_row(key, row, forms, label, extra=""):
     for f in forms:
         print(f"[ker] {key} {f}: " + ", ".join(f"{n} {us:.0f}" for n, us in row[f]["bwd_kernels_us"].items()),
               flush=True)
+
+
+def points():
+    """(row key, inputs, dO) for each of POINTS."""
+    for H, HV, T, gates in POINTS:
+        x, do = inputs(H, HV, T, gates)
+        yield f"{H}/{HV} 1x{T}" + (" model gates" if gates == "model" else ""), x, do
+
+
+def profile_forms(x, do, forms, use, row, calls=1, width=60):
+    """row[form]["bwd_kernels_us"] for each form (use(form) switches to it)."""
+    for form in forms:
+        use(form)
+        row[form]["bwd_kernels_us"] = bwd_kernels_us(x, do, calls, width)
+
+
+def geomean(values):
+    values = list(values)
+    g = 1.0
+    for v in values:
+        g *= v
+    return g ** (1 / len(values))

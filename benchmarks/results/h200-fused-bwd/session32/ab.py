@@ -6,7 +6,7 @@ x 30 replays each); then one profiled eager backward per form at each point, ker
 import json, os, sys
 from gdnkit.backends.tilelang_sm90 import forward as fwd
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ab_common import OUT, POINTS, bwd_kernels_us, inputs, print_row, timed_rounds   # noqa: E402
+from ab_common import OUT, points, print_row, profile_forms, timed_rounds   # noqa: E402
 
 real_segments = fwd._segments
 
@@ -16,18 +16,14 @@ def main_segments(layout, HV, device, train):
 
 
 FORMS = {"wide": real_segments, "main": main_segments}
+use = lambda form: setattr(fwd, "_segments", FORMS[form])  # noqa: E731
 res = {}
-for H, HV, T, gates in POINTS:
-    x, do = inputs(H, HV, T, gates)
-    key = f"{H}/{HV} 1x{T}" + (" model gates" if gates == "model" else "")
-    row, grads = timed_rounds(x, do, FORMS, lambda form: setattr(fwd, "_segments", FORMS[form]))
+for key, x, do in points():
+    row, grads = timed_rounds(x, do, FORMS, use)
     rel = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
            for n, a, b in zip(x, grads["wide"], grads["main"])}
     row["grad_rel_wide_vs_main"] = rel
-    # per kernel: one profiled eager backward each form
-    for form, seg in FORMS.items():
-        fwd._segments = seg
-        row[form]["bwd_kernels_us"] = bwd_kernels_us(x, do)
+    profile_forms(x, do, FORMS, use, row)   # per kernel: one profiled eager backward each form
     res[key] = row
     print_row(key, row, FORMS, "bwd ratio wide/main", f"  max grad rel {max(rel.values()):.1e}")
     json.dump(res, open(os.path.join(OUT, "ab.json"), "w"), indent=1)

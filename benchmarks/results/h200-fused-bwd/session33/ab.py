@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from gdnkit.backends.tilelang_sm90 import forward as fwd
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ab_common import OUT, POINTS, bwd_kernels_us, graph_ms, inputs, print_row, timed_rounds   # noqa: E402
+from ab_common import OUT, geomean, graph_ms, points, print_row, profile_forms, timed_rounds   # noqa: E402
 
 FORMS = {"two": 2, "one": 1}
 
@@ -41,22 +41,16 @@ def bandwidth():
 
 res = {"bandwidth_TBps": bandwidth()}
 print("[bw]", {k: round(v, 2) for k, v in res["bandwidth_TBps"].items()}, flush=True)
-for H, HV, T, gates in POINTS:
-    x, do = inputs(H, HV, T, gates)
-    key = f"{H}/{HV} 1x{T}" + (" model gates" if gates == "model" else "")
-    row, grads = timed_rounds(x, do, FORMS, lambda form: setattr(fwd, "RECOMPUTE_PER_SM", FORMS[form]))
+use = lambda form: setattr(fwd, "RECOMPUTE_PER_SM", FORMS[form])  # noqa: E731
+for key, x, do in points():
+    row, grads = timed_rounds(x, do, FORMS, use)
     row["bitwise_equal"] = {n: bool(torch.equal(a, b)) for n, a, b in zip(x, grads["two"], grads["one"])}
     row["grad_rel_two_vs_one"] = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
                                   for n, a, b in zip(x, grads["two"], grads["one"])}
-    for form, per_sm in FORMS.items():
-        fwd.RECOMPUTE_PER_SM = per_sm
-        row[form]["bwd_kernels_us"] = bwd_kernels_us(x, do, calls=3, width=48)
+    profile_forms(x, do, FORMS, use, row, calls=3, width=48)
     res[key] = row
     print_row(key, row, FORMS, "bwd two/one", f"  bitwise {all(row['bitwise_equal'].values())}")
     json.dump(res, open(os.path.join(OUT, "ab.json"), "w"), indent=1)
 fwd.RECOMPUTE_PER_SM = 2
-ratios = [res[k]["two"]["bwd"] / res[k]["one"]["bwd"] for k in res if k != "bandwidth_TBps"]
-g = 1.0
-for r in ratios:
-    g *= r
-print(f"[ab] geomean bwd two/one {g ** (1 / len(ratios)):.4f}", flush=True)
+print(f"[ab] geomean bwd two/one {geomean(res[k]['two']['bwd'] / res[k]['one']['bwd'] for k in res if k != 'bandwidth_TBps'):.4f}",
+      flush=True)
