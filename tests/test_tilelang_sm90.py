@@ -402,6 +402,24 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     assert "GDNKIT_SM90_FUSED_BACKWARD" in run.stderr
 
 
+def test_recompute_programs_an_sm_and_their_switch(monkeypatch):
+    """Two programs an SM only for the fused path's recompute at 64 columns (the build that stores X and fits
+    twice), GDNKIT_SM90_RECOMPUTE_PER_SM=1 for one, anything else refused by name at import."""
+    import os
+    import subprocess
+    import sys
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    monkeypatch.setattr(fwd, "RECOMPUTE_PER_SM", 2)
+    assert fwd.recompute_per_sm(64, True) == 2
+    assert fwd.recompute_per_sm(32, True) == fwd.recompute_per_sm(64, False) == fwd.recompute_per_sm(128, False) == 1
+    for value, want in (("1", "1"), ("2", "2"), ("3", "ValueError")):
+        run = subprocess.run([sys.executable, "-c", "from gdnkit.backends.tilelang_sm90 import forward as f; "
+                              "print(f.RECOMPUTE_PER_SM)"], capture_output=True, text=True,
+                             env={**os.environ, "GDNKIT_SM90_RECOMPUTE_PER_SM": value})
+        assert want in run.stdout + run.stderr, (value, run.stdout, run.stderr[-500:])
+    assert "GDNKIT_SM90_RECOMPUTE_PER_SM" in run.stderr
+
+
 @pytest.mark.parametrize("lengths,H,HV,dtype", [((77, 0, 130), 2, 8, torch.bfloat16), ((40,), 4, 4, torch.float16),
                                                  ((0,), 2, 4, torch.bfloat16), ((33, 64), 1, 3, torch.float32)])
 def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
