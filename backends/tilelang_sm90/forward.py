@@ -51,7 +51,7 @@ WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
 WS_STAGES = {32: 3, 64: 2}
 # programs an SM of the fused backward's recompute (S0 and X, no output) at 64 columns: 2 (state_output_ws.py's
-# per_sm build, one hand-over slot) or 1; GDNKIT_SM90_RECOMPUTE_PER_SM sets it (session 33's A/B)
+# per_sm build, X made in V's stage tile) or 1; GDNKIT_SM90_RECOMPUTE_PER_SM sets it (session 33's A/B)
 RECOMPUTE_PER_SM = int(os.environ.get("GDNKIT_SM90_RECOMPUTE_PER_SM", "2"))
 if RECOMPUTE_PER_SM not in (1, 2):
     raise ValueError(f"GDNKIT_SM90_RECOMPUTE_PER_SM must be 1 or 2, got {RECOMPUTE_PER_SM}")

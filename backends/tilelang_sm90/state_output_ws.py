@@ -150,7 +150,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             if emit_output:
                 u_s = T.alloc_shared((SLOTS, C, BV), dtype)
                 o_s = T.alloc_shared((C, BV), dtype)  # output: O of a full chunk, the source of its TMA store
-            x_in_stage = store_x and per_sm == 2   # X in V's stage tile, freed by the store role too
+            x_in_stage = per_sm == 2   # (store_x, asserted above) X in V's stage tile, freed by the store role too
             if store_x and not x_in_stage:
                 xh_s = T.alloc_shared((SLOTS, C, BV), dtype)   # X: state -> the S0 store's warpgroup, beside S
             # private to the state role
