@@ -1,6 +1,10 @@
-"""The API options the kernels do not fuse yet, as a PyTorch prologue (gdnkit.prep's math) and its
-hand-written backward, so chunk_backward returns gradients w.r.t. the raw user inputs without autograd."""
+"""The API options the kernels do not fuse yet, as a prologue before them (gdnkit.prep's math) and its
+hand-written backward, so chunk_backward returns gradients w.r.t. the raw user inputs without autograd. The qk
+l2norm runs as one Triton pass each way where Triton can read the tensors (triton_generic/l2norm.py), else in
+torch; the gate and beta activations, on [B, T, HV] only, in torch."""
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -9,15 +13,34 @@ from gdnkit import prep
 from gdnkit.problem import GDNGrads, Problem
 
 
+def _triton_reads(x: torch.Tensor) -> bool:
+    """Whether the l2norm's Triton kernels take x: a CUDA tensor, or a CPU one under the Triton interpreter."""
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _l2norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / sqrt(sum(x^2) + eps) in x's dtype, rstd [..., 1] fp32) over the last dim."""
+    if _triton_reads(x):
+        from gdnkit.backends.triton_generic.l2norm import l2norm_forward
+        return l2norm_forward(x)
+    xf = x.float()
+    rstd = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + prep.L2NORM_EPS)
+    return (xf * rstd).to(x.dtype), rstd
+
+
 def forward(problem: Problem, q, k, g, beta, A_log, dt_bias):
     """Returns the kernel inputs (q, k in their dtype, g and beta fp32) and what the backward needs."""
     stash = {}
     if problem.use_qk_l2norm_in_kernel:
-        qf, kf = q.float(), k.float()
-        q_rstd = torch.rsqrt((qf * qf).sum(-1, keepdim=True) + prep.L2NORM_EPS)
-        k_rstd = torch.rsqrt((kf * kf).sum(-1, keepdim=True) + prep.L2NORM_EPS)
+        (q_n, q_rstd), (k_n, k_rstd) = _l2norm(q), _l2norm(k)
         stash.update(q_raw=q, k_raw=k, q_rstd=q_rstd, k_rstd=k_rstd)
-        q, k = (qf * q_rstd).to(q.dtype), (kf * k_rstd).to(k.dtype)
+        q, k = q_n, k_n
     if problem.use_gate_in_kernel:
         stash.update(g_raw=g)
         g = prep.gate(g.float(), A_log.float(), None if dt_bias is None else dt_bias.float())
@@ -32,17 +55,21 @@ def forward(problem: Problem, q, k, g, beta, A_log, dt_bias):
 
 
 def _l2norm_backward(x, rstd, dy):
-    # y = x * rstd: dx = rstd * (dy - y (y . dy))
+    """dx in x's dtype for y = x * rstd: rstd * (dy - y (y . dy)), in fp32 before the one rounding."""
+    if _triton_reads(x):
+        from gdnkit.backends.triton_generic.l2norm import l2norm_backward
+        return l2norm_backward(x, rstd, dy)
     y = x.float() * rstd
-    return rstd * (dy - y * (y * dy).sum(-1, keepdim=True))
+    return (rstd * (dy - y * (y * dy).sum(-1, keepdim=True))).to(x.dtype)
 
 
-def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias):
+def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias, qk_normed: bool = False):
     """dq/dk/dg/dbeta: gradients w.r.t. the kernel inputs, fp32 (dq / dk may come in their output dtype where
     no l2norm backward follows: sum_qk_head_groups). Returns (dq, dk, dg, dbeta, dA_log, ddt_bias) w.r.t. the
-    raw inputs, fp32 except dq / dk passed through in another dtype."""
+    raw inputs, fp32 except dq / dk passed through in another dtype or made by the l2norm backward in q's and
+    k's. qk_normed: dq / dk are w.r.t. the raw q / k already (a backend ran the l2norm backward fused)."""
     dA_log = ddt_bias = None
-    if problem.use_qk_l2norm_in_kernel:
+    if problem.use_qk_l2norm_in_kernel and not qk_normed:
         dq = _l2norm_backward(stash["q_raw"], stash["q_rstd"], dq)
         dk = _l2norm_backward(stash["k_raw"], stash["k_rstd"], dk)
     if problem.use_gate_in_kernel:

@@ -462,6 +462,43 @@ def test_group_sums_add_each_key_heads_value_heads(lengths, H, HV, dtype):
             assert torch.equal(got, again)
 
 
+
+@pytest.mark.parametrize("form", ["triton", "torch"])
+@pytest.mark.parametrize("lengths,H,HV,dtype", [((77, 0, 130), 2, 8, torch.bfloat16), ((40,), 4, 4, torch.float16),
+                                                 ((33, 64), 1, 3, torch.float32)])
+def test_group_sums_take_the_qk_l2norm_backward(lengths, H, HV, dtype, form, bf16_interpreter, monkeypatch):
+    """With the prologue's qk l2norm (use_qk_l2norm_in_kernel), the fused path's group sums leave dq / dk w.r.t.
+    the raw q / k in their dtype: rstd (S - y (y . S)) of each token's summed slots S, y = x rstd made again
+    from the raw rows, against the float64 sum and formula, in the Triton kernel (interpreted on a CPU) and its
+    torch form; the tokens past the last sequence stay zero."""
+    pytest.importorskip("triton")
+    from gdnkit import prep, seqlayout
+    from gdnkit.backends.tilelang_sm90 import group_sum
+    if form == "torch":
+        monkeypatch.setattr(group_sum, "triton", None)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    layout, total = seqlayout.sequence_layout(cu), int(cu[-1]) + 5
+    gen = torch.Generator().manual_seed(len(lengths) + H)
+    dqk = torch.randn(layout.n_chunks, HV, 2, 64, K, generator=gen).to(torch.bfloat16)
+    raws = [torch.randn(1, total, H, K, generator=gen).to(dtype) for _ in range(2)]
+    rstds = [torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + prep.L2NORM_EPS) for x in raws]
+    got = group_sum.chunk_group_sums(dqk, layout, H, total, dtype, None, (raws[0], rstds[0], raws[1], rstds[1]))
+    rows = group_sum.rows_from_slot(dqk.double().reshape(layout.n_chunks, HV, 2, 64 * K))
+    sums = torch.zeros(2, total, H, K, dtype=torch.float64)
+    for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for t in range(bos, eos):
+            c, row = int(layout.chunk_offsets[n]) + (t - bos) // 64, (t - bos) % 64
+            sums[:, t] = rows[c, :, :, row].view(H, HV // H, 2, K).sum(1).transpose(0, 1)
+    bound = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    for out, x, rstd, S in zip(got, raws, rstds, sums):
+        assert out.shape == (1, total, H, K) and out.dtype == dtype
+        y = x[0].double() * rstd[0].double()
+        want = rstd[0].double() * (S - y * (y * S).sum(-1, keepdim=True))
+        valid = int(cu[-1])
+        err = float((out[0, :valid].double() - want[:valid]).norm() / want[:valid].norm().clamp_min(1e-300))
+        assert err <= bound, err
+        assert not out[0, valid:].any()
+
 def test_fused_backward_sass_per_role():
     """benchmarks/sass_roles.py cuts the fused backward's sm_90a SASS at its four setmaxnreg instructions and
     matches each region to its role by budget (a lowering that reorders or merges the roles fails here); every
@@ -1338,6 +1375,10 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
         s0_buffers.append(hs.data_ptr()) or real_entering(problem, s, hs, xs)))
     monkeypatch.setattr(bwd, "chunk_group_sums", lambda dqk, *a: sums_in_s0.append(
         dqk.data_ptr() in s0_buffers) or real_sums(dqk, *a))
+    # the qk l2norm's backward: in the fused path's group sums, else the prologue's Triton pass (q's and k's)
+    from gdnkit.backends.triton_generic import l2norm
+    l2norm_passes, real_pass = [], l2norm.l2norm_backward
+    monkeypatch.setattr(l2norm, "l2norm_backward", lambda *a: l2norm_passes.append(1) or real_pass(*a))
 
     gen = torch.Generator().manual_seed(4)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -1373,6 +1414,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     do, dht = r(*o.shape).half(), r(*ht.shape)
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
     assert sums_in_s0 == ([True] if fused else []), sums_in_s0
+    assert len(l2norm_passes) == (0 if fused or not varlen else 2), l2norm_passes
 
     d64 = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
     p64, i64 = validate_inputs(CHUNK_MODE, **d64, output_final_state=True, cu_seqlens=cu,
@@ -1911,8 +1953,8 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
 
 @pytest.mark.gpu
 def test_backward_fused_with_options(monkeypatch):
-    """The fused backward under the options' prologue (qk l2norm, whose backward takes dq / dk after the group
-    sums in fp32; the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
+    """The fused backward under the options' prologue (qk l2norm, whose backward runs inside the group sums since
+    session 34; the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
     both states: every gradient, dA_log and ddt_bias included, against autograd through the float64 reference, and
     the call twice bitwise."""
     launched = _fused_backward_forced(monkeypatch)

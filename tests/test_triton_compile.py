@@ -1,5 +1,5 @@
-"""Every triton_generic chunked kernel, and tilelang_sm90's Triton warm-up flags and group sums, compiles for real
-GPUs (sm80, sm90) on this CPU machine.
+"""Every triton_generic chunked kernel and the prologue's qk l2norm, and tilelang_sm90's Triton warm-up flags and
+group sums, compile for real GPUs (sm80, sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
 ptxas), where a kernel can fail on a GPU while passing in the interpreter. Compiling needs no GPU: ptxas
@@ -26,14 +26,14 @@ CAPABILITIES = (80, 90)
 # The buffers the backend allocates in fp32 whatever the inputs' dtype; every other pointer is a 16-bit input
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
-             "s0", "warm"}
+             "s0", "warm", "rstd", "dy", "q_rstd", "k_rstd"}
 INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
               # the wide route's pick (warmup_bound._pick_kernel): int32 segment tables and cu_seqlens
               "own", "seg_cu", "cu", "wide_cu", "wide_walk", "plain_cu"}
 # tilelang_sm90's warm-up flags (warmup_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
-INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu", "w0"}
+INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu", "w0", "n_rows"}
 FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
@@ -66,7 +66,13 @@ KERNELS = {
                      dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0, WALK=True)),
     "wide_pick": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
     # and the fused backward's GVA sums (group_sum.py)
-    "group_sums": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel", dict(H=4, G=2, C=64, K=128)),
+    "group_sums": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
+                   dict(H=4, G=2, C=64, K=128, L2NORM=False)),
+    "group_sums_l2norm": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
+                          dict(H=4, G=2, C=64, K=128, L2NORM=True)),
+    # the qk l2norm of both backends' prologue (dy: the summed dq / dk, fp32)
+    "l2norm_forward": ("l2norm", "l2norm_forward_kernel", dict(K=128, BK=128, ROWS=32, EPS=1e-6)),
+    "l2norm_backward": ("l2norm", "l2norm_backward_kernel", dict(K=128, BK=128, ROWS=32)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its
 # launch-table name, its KERNELS entry, compile-time arguments that differ from that entry)

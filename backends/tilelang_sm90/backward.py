@@ -244,12 +244,13 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     if dht is not None:
         dht = dht.float()
         dht = (dht.transpose(-1, -2) if problem.state_v_first else dht).contiguous()
-    grads = _fused_grads if fused_pays(s, HV, do.device) else _staged_grads
-    dq, dk, dv, dg, dbeta, dh0 = grads(problem, s, do, dht)
+    fused = fused_pays(s, HV, do.device)
+    dq, dk, dv, dg, dbeta, dh0 = (_fused_grads if fused else _staged_grads)(problem, s, do, dht)
     dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
+    normed = fused and _sums_take_l2norm(problem, s)   # the group sums ran the qk l2norm's backward
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
-                                                           s.dt_bias)
+                                                           s.dt_bias, qk_normed=normed)
     if dh0 is not None and problem.state_v_first:
         dh0 = dh0.transpose(-1, -2)
     return prologue.grads_in_input_dtypes(s.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
@@ -270,6 +271,13 @@ def _grads_dtype(problem: Problem, s: Saved) -> tuple[torch.dtype, str]:
     (rounded once, after their fp32 sums), fp32 where the l2norm backward still runs on them."""
     qk = s.dtypes["q"] if s.dtypes["q"] == s.dtypes["k"] and not problem.use_qk_l2norm_in_kernel else torch.float32
     return (qk, TORCH_TO_TL[qk]) if qk in TORCH_TO_TL else (torch.float32, "float32")
+
+
+def _sums_take_l2norm(problem: Problem, s: Saved) -> bool:
+    """Whether the fused path's group sums also run the qk l2norm's backward (group_sum.chunk_group_sums' l2norm),
+    writing dq / dk w.r.t. the raw q / k in their dtype: where the option is on and q and k share a dtype the
+    sums can write."""
+    return problem.use_qk_l2norm_in_kernel and s.dtypes["q"] == s.dtypes["k"] and s.dtypes["q"] in TORCH_TO_TL
 
 
 def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor | None):
@@ -348,8 +356,13 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
     in value head order, while that buffer holds them: the per-value-head gradients add nothing to the backward's
     peak (session 19's form wrote them to tensors of their own, 2 x 128 MB at 16/32 1x32768)."""
     dqk, dv, dg, dbeta, dh0, runs = _fused_kernel_outputs(problem, s, do, dht)
-    qk, _ = _grads_dtype(problem, s)
-    dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk, runs)
+    if _sums_take_l2norm(problem, s):
+        st = s.stash
+        dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], s.dtypes["q"], runs,
+                                  (st["q_raw"], st["q_rstd"], st["k_raw"], st["k_rstd"]))
+    else:
+        qk, _ = _grads_dtype(problem, s)
+        dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk, runs)
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -51,33 +51,44 @@ def rows_from_slot(flat: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int, dtype: torch.dtype,
-                     runs: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     runs: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                     l2norm: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dqk [n_chunks, HV, 2, C, K] -> (dq, dk) [1, total, H, K] in dtype: each token's rows from its chunk's slots
     (layout: seqlayout.SequenceLayout, whose chunks dqk's are; a tail chunk's rows past its sequence are summed
     with the rest, the slots being read whole, and not stored), each key head's HV // H value heads summed in order
     in fp32. Tokens past the last sequence are zero. runs: (cu_seqlens, chunk_offsets, most chunks of one) of the
     fused kernel's programs (sequences or segments; layout's sequences by default), whose chunks the launch takes
-    in the order the kernel wrote them last first (below)."""
+    in the order the kernel wrote them last first (below). l2norm: (q_raw, q_rstd, k_raw, k_rstd) of the prologue's
+    qk l2norm ([1, total, H, K] and [1, total, H, 1] fp32, or any shape of the same elements): the sums are then
+    the gradients of the normalised q and k, and each leaves as its raw input's, rstd (dy - y (y . dy)) with y
+    made again from x and rstd, still in fp32, so that nothing is written in fp32 for the prologue's backward to
+    read again (gdnkit/prologue.py's torch form, and triton_generic/l2norm.py's pass: 2.1 -> 1.1 GB moved at
+    16/32 1x32768)."""
     n_chunks, HV, _, C, K = dqk.shape
     assert (C, K) == (64, 128), "slot_offset's order is for [64, 128] slots"
     dq, dk = (seqlayout.packed_output((1, total, H, K), layout.cu_seqlens, device=dqk.device, dtype=dtype)
               for _ in range(2))
     if not n_chunks:
         return dq, dk
+    if l2norm is not None:
+        q_raw, q_rstd, k_raw, k_rstd = (t.contiguous() for t in l2norm)
+        assert q_raw.numel() == k_raw.numel() == total * H * K and q_rstd.numel() == k_rstd.numel() == total * H
     if triton is None or (dqk.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-        _sums_torch(dqk, layout, H, dq, dk)
+        _sums_torch(dqk, layout, H, dq, dk, l2norm)
     else:
         cu, offsets, longest = runs or (layout.cu_seqlens, layout.chunk_offsets, max(layout.chunk_counts))
+        norm = (q_raw, q_rstd, k_raw, k_rstd) if l2norm is not None else (dq, dq, dq, dq)   # never read without
         for w0 in range(0, longest, _MAX_GRID_Z):   # one launch below 4.2M tokens a run
             _chunk_group_sums_kernel[(offsets.shape[0] - 1, H, min(longest - w0, _MAX_GRID_Z))](
-                dqk, cu, offsets, dq, dk, w0, H=H, G=HV // H, C=C, K=K, num_warps=8)
+                dqk, cu, offsets, dq, dk, *norm, w0, H=H, G=HV // H, C=C, K=K, L2NORM=l2norm is not None,
+                num_warps=8)
     return dq, dk
 
 
 _MAX_GRID_Z = 65535   # CUDA's limit on a grid's third axis
 
 
-def _sums_torch(dqk, layout, H, dq, dk):
+def _sums_torch(dqk, layout, H, dq, dk, l2norm=None):
     n_chunks, HV, _, C, K = dqk.shape
     seq, within = layout.chunk_indices.long().unbind(1)
     cu = layout.cu_seqlens.long()
@@ -86,13 +97,19 @@ def _sums_torch(dqk, layout, H, dq, dk):
     sums = dqk.view(n_chunks, H, HV // H, 2, C, K).float().sum(2)                            # [n_chunks, H, 2, C, K]
     sums = rows_from_slot(sums.reshape(n_chunks, H, 2, C * K))
     for which, out in enumerate((dq, dk)):
-        out[0, tokens[valid]] = sums[:, :, which].transpose(1, 2)[valid].to(out.dtype)
+        rows = sums[:, :, which].transpose(1, 2)[valid]                                       # [tokens, H, K]
+        if l2norm is not None:
+            x, rstd = (t.reshape(-1, H, t.shape[-1])[tokens[valid]] for t in l2norm[2 * which:2 * which + 2])
+            y = x.float() * rstd
+            rows = rstd * (rows - y * (y * rows).sum(-1, keepdim=True))
+        out[0, tokens[valid]] = rows.to(out.dtype)
 
 
 if triton is not None:
     @triton.jit
-    def _chunk_group_sums_kernel(dqk, cu_seqlens, chunk_offsets, dq, dk, w0, H: tl.constexpr, G: tl.constexpr,
-                                 C: tl.constexpr, K: tl.constexpr):
+    def _chunk_group_sums_kernel(dqk, cu_seqlens, chunk_offsets, dq, dk, q_raw, q_rstd, k_raw, k_rstd, w0,
+                                 H: tl.constexpr, G: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                                 L2NORM: tl.constexpr):
         """One program per (run, key head, chunk w of the run): its G value heads' dq slots added in order (in
         slot_offset's order: all 64 rows are the kernel's, a tail's too), then their dk slots. w is the grid's
         slowest axis, so the launch starts with every run's first chunks: the fused kernel walks its runs right to
@@ -117,5 +134,10 @@ if triton is not None:
                 slot = ((c * (H * G) + h * G + j) * 2 + which).to(tl.int64) * (C * K)
                 flat += tl.load(dqk + slot + tl.arange(0, C * K)).to(tl.float32)
             acc = tl.reshape(tl.permute(tl.reshape(flat, (8, 4, 8, 4, 2, 2, 2)), (1, 5, 2, 0, 4, 3, 6)), (C, K))
+            if L2NORM:   # the qk l2norm's backward (chunk_group_sums' docstring)
+                x = q_raw if which == 0 else k_raw
+                rstd = tl.load((q_rstd if which == 0 else k_rstd) + rows * H + h, mask=m, other=0.0)
+                y = tl.load(x + (rows * H + h) * K + k[None, :], mask=m, other=0.0).to(tl.float32) * rstd
+                acc = rstd * (acc - y * tl.sum(y * acc, axis=1)[:, None])
             out = dq if which == 0 else dk
             tl.store(out + (rows * H + h) * K + k[None, :], acc.to(out.dtype.element_ty), mask=m)

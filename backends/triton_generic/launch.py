@@ -35,6 +35,7 @@ SIXTEEN_BIT = {
     "backward_chunk": (4, 3),  # 16/32 1x32768: 2.787 (8x1) -> 1.671
     "backward_wy": (4, 3),     # 16/32 1x32768: 2.261 -> 1.369
     "segment_scan": (4, 1),    # P [K, K] fp32 through shared memory: one stage keeps it at ~80 KB (sm86/89)
+    "l2norm": (4, 1),          # l2norm.py's row passes, [ROWS, BK] tiles of 4096 values, no loop (not swept yet)
 }
 # fp32 tiles take twice the shared memory: the sequential passes stay at one stage (under Ada's ~99 KB a
 # block), with 8 warps for their doubled registers
