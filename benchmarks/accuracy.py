@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .inputs import ChunkInputs
+from .inputs import ChunkInputs, call_options
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -48,7 +48,7 @@ def reference_outputs(inp: ChunkInputs, kind: str) -> list[torch.Tensor]:
     with torch.enable_grad() if kind == "bwd" else torch.no_grad():
         o, ht = gdnkit.fused_recurrent_gated_delta_rule(
             x.q, x.k, x.v, x.g, x.beta, initial_state=x.initial_state,
-            output_final_state=kind == "decode", cu_seqlens=x.cu_seqlens, backend="reference")
+            output_final_state=kind == "decode", cu_seqlens=x.cu_seqlens, backend="reference", **call_options())
         if kind == "fwd":
             return [o]
         if kind == "decode":

@@ -21,7 +21,7 @@ import torch
 from . import grids, report, timing
 from .grids import PASSES
 from .impls import environment_versions, gpu_name, gpu_slug, resolve
-from .inputs import GATES, GATES_ENV, gates_kind
+from .inputs import GATES, GATES_ENV, QK_L2NORM_ENV, gates_kind, qk_l2norm_on
 from .warm import warm
 from .runner import RunConfig, find_cached, merge_rows, run_grid
 
@@ -78,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random: g = logsigmoid(randn) (FlashQLA's and FINDINGS' inputs, the default); model: "
                         "gates drawn as a Qwen3-Next layer's at initialisation (slow heads decay ~1e-3 a token). "
                         "Model-gate rows go to their own folder (<gpu>-model-gates) unless --out says otherwise")
+    p.add_argument("--qk-l2norm", action="store_true",
+                   help="raw q / k, normalised by every implementation in the call (use_qk_l2norm_in_kernel, as "
+                        "Qwen3.5-style layers call it); rows go to their own folder (<gpu>-qk-l2norm) unless --out "
+                        "says otherwise")
     return p
 
 
 def default_out_dir(device: torch.device) -> Path:
-    suffix = "" if gates_kind() == "random" else f"-{gates_kind()}-gates"
+    suffix = ("" if gates_kind() == "random" else f"-{gates_kind()}-gates") + ("-qk-l2norm" if qk_l2norm_on() else "")
     return RESULTS_DIR / (gpu_slug(gpu_name(device)) + suffix)
 
 
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gates:  # the environment carries it to the compile workers too
         os.environ[GATES_ENV] = args.gates
+    if args.qk_l2norm:
+        os.environ[QK_L2NORM_ENV] = "1"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir = Path(args.out) if args.out else default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .grids import Point
-from .inputs import ChunkInputs
+from .inputs import ChunkInputs, call_options
 
 
 class Unsupported(Exception):
@@ -75,13 +75,13 @@ class GdnkitImpl(Impl):
         import gdnkit
         return self._wrap(gdnkit.chunk_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
                           initial_state=inp.initial_state, output_final_state=output_final_state,
-                          cu_seqlens=inp.cu_seqlens)
+                          cu_seqlens=inp.cu_seqlens, **call_options())
 
     def decode(self, inp):
         import gdnkit
         return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
                           initial_state=inp.initial_state, output_final_state=True,
-                          cu_seqlens=inp.cu_seqlens)
+                          cu_seqlens=inp.cu_seqlens, **call_options())
 
 
 class AnchorImpl(Impl):
@@ -106,7 +106,8 @@ class AnchorImpl(Impl):
     def chunk(self, inp, output_final_state=False):
         m = self._module()
         return m.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, initial_state=inp.initial_state,
-                                        output_final_state=output_final_state, cu_seqlens=inp.cu_seqlens)
+                                        output_final_state=output_final_state, cu_seqlens=inp.cu_seqlens,
+                                        **call_options())
 
 
 class FlaImpl(AnchorImpl):
@@ -125,7 +126,7 @@ class FlaImpl(AnchorImpl):
         m = self._module()
         return m.fused_recurrent_gated_delta_rule(inp.q, inp.k, inp.v, g=inp.g, beta=inp.beta,
                                                   initial_state=inp.initial_state, output_final_state=True,
-                                                  cu_seqlens=inp.cu_seqlens)
+                                                  cu_seqlens=inp.cu_seqlens, **call_options())
 
 
 class FlashQLAImpl(AnchorImpl):

@@ -5,7 +5,9 @@ logsigmoid(randn) and beta = sigmoid(rand), both fp32; sequences packed along T 
 (B = 1). GDNKIT_BENCH_GATES=model (`bench --gates model`) draws g as a Qwen3-Next-style layer does at
 initialisation instead: per value head A ~ U(0, 16) and dt ~ logU(1e-3, 0.1) (dt_bias its inverse
 softplus), g = -A softplus(a + dt_bias) with a ~ N(0, 1) per token. Its slowest heads decay ~1e-3 a token
-where logsigmoid(randn) decays ~0.8, which decides how context parallelism can start its segments. Decode: B sequences of one new token each, a random fp32 state, output_final_state=True.
+where logsigmoid(randn) decays ~0.8, which decides how context parallelism can start its segments.
+GDNKIT_BENCH_QK_L2NORM=1 (`bench --qk-l2norm`) draws q and k raw and has every implementation normalise them
+in the call (use_qk_l2norm_in_kernel, as Qwen3.5-style layers call it). Decode: B sequences of one new token each, a random fp32 state, output_final_state=True.
 Every tensor is random (never zeros: zeros hide unwritten outputs and can run faster than real data)
 and drawn from a generator seeded by the grid point, so every implementation sees the same inputs.
 """
@@ -26,6 +28,7 @@ GATE_DTYPE = torch.float32
 STATE_DTYPE = torch.float32
 GATES_ENV = "GDNKIT_BENCH_GATES"
 GATES = ("random", "model")
+QK_L2NORM_ENV = "GDNKIT_BENCH_QK_L2NORM"
 
 
 def gates_kind() -> str:
@@ -35,6 +38,25 @@ def gates_kind() -> str:
     if kind not in GATES:
         raise ValueError(f"{GATES_ENV}={kind!r}: choose from {', '.join(GATES)}")
     return kind
+
+
+def qk_l2norm_on() -> bool:
+    """Whether this process's calls normalise q and k themselves (QK_L2NORM_ENV, read as gates_kind is)."""
+    value = os.environ.get(QK_L2NORM_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{QK_L2NORM_ENV}={value!r}: 0 or 1")
+    return value == "1"
+
+
+def call_options() -> dict:
+    """The keyword options every implementation's chunk and decode calls take in this process."""
+    return {"use_qk_l2norm_in_kernel": True} if qk_l2norm_on() else {}
+
+
+def _qk(randn, shape) -> torch.Tensor:
+    """q or k in DTYPE: L2-normalised before the call, or raw where the call normalises them."""
+    x = randn(*shape)
+    return (x if qk_l2norm_on() else F.normalize(x, p=2, dim=-1)).to(DTYPE)
 
 
 def _gates(shape: tuple, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -100,8 +122,8 @@ def make_chunk_inputs(H: int, HV: int, seqlens, K: int, V: int, device, seed: in
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
-    q = F.normalize(randn(1, T, H, K), p=2, dim=-1).to(DTYPE)
-    k = F.normalize(randn(1, T, H, K), p=2, dim=-1).to(DTYPE)
+    q = _qk(randn, (1, T, H, K))
+    k = _qk(randn, (1, T, H, K))
     v = randn(1, T, HV, V).to(DTYPE)
     g = _gates((1, T, HV), gen, device).to(GATE_DTYPE)
     beta = torch.sigmoid(torch.rand(1, T, HV, generator=gen, device=device)).to(GATE_DTYPE)
@@ -120,8 +142,8 @@ def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: in
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
 
-    q = F.normalize(randn(B, 1, H, K), p=2, dim=-1).to(DTYPE)
-    k = F.normalize(randn(B, 1, H, K), p=2, dim=-1).to(DTYPE)
+    q = _qk(randn, (B, 1, H, K))
+    k = _qk(randn, (B, 1, H, K))
     v = randn(B, 1, HV, V).to(DTYPE)
     g = _gates((B, 1, HV), gen, device).to(GATE_DTYPE)
     beta = torch.sigmoid(torch.rand(B, 1, HV, generator=gen, device=device)).to(GATE_DTYPE)

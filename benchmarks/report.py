@@ -170,13 +170,18 @@ def _gates_text(rows: list[dict]) -> str:
     return " / ".join(text[k] for k in sorted(kinds)) or text["random"]
 
 
+def _qk_text(rows: list[dict]) -> str:
+    text = {False: "L2-normalised q/k", True: "raw q/k normalised in the call (use_qk_l2norm_in_kernel)"}
+    return " / ".join(text[k] for k in sorted({bool(r.get("qk_l2norm", False)) for r in rows})) or text[False]
+
+
 def markdown(rows: list[dict], details: dict) -> str:
     rows = sort_rows(rows)
     gpus = sorted({r["gpu"] for r in rows})
     out = [f"# gdnkit benchmarks on {', '.join(gpus) or '(no rows)'}", ""]
     out += ["Kernel time per call in ms: CUDA-graph replay where the call can be captured, else the "
             "per-call sum of device time from torch.profiler; median of >= 20 after warm-up. "
-            f"bf16 q/k/v, K = V = 128, L2-normalised q/k, fp32 g = {_gates_text(rows)}, beta = "
+            f"bf16 q/k/v, K = V = 128, {_qk_text(rows)}, fp32 g = {_gates_text(rows)}, beta = "
             "sigmoid(rand), packed with cu_seqlens. \"X vs FLA\" is FLA's time over X's (above 1: X "
             "is faster). `*`: anchor figure reused from an earlier run (anchor_same_run = false). "
             "Backward is (forward+backward) - forward, both with autograd on. Decode bandwidth counts "

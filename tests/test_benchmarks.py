@@ -17,7 +17,7 @@ from gdnkit.benchmarks.grids import Grid, Point
 ROW_TYPES = {"pass": str, "H": int, "HV": int, "seqlens": str, "B": (int, type(None)), "impl": str,
              "kernel_ms": float, "eager_ms": (float, type(None)), "peak_mem_bytes": (int, type(None)),
              "rel_err_vs_ref": (float, type(None)), "anchor_same_run": bool, "gpu": str, "date": str,
-             "versions": dict, "gates": str}
+             "versions": dict, "gates": str, "qk_l2norm": bool}
 
 
 def check_row(row: dict) -> None:
@@ -137,6 +137,32 @@ def test_gates_random_keep_the_recipe_and_model_gates_decay_slowly(monkeypatch):
     assert cli.default_out_dir(torch.device("cpu")).name == "cpu-model-gates"
     monkeypatch.setenv(inputs.GATES_ENV, "uniform")
     with pytest.raises(ValueError, match="GDNKIT_BENCH_GATES"):
+        inputs.make_point_inputs(p, "cpu")
+
+
+def test_qk_l2norm_option_draws_raw_qk_that_every_call_normalises(monkeypatch):
+    """bench --qk-l2norm (GDNKIT_BENCH_QK_L2NORM=1): q and k drawn raw from the same draws, every call given
+    use_qk_l2norm_in_kernel (gdnkit's and the float64 truth's: their outputs are the pre-normalised call's), rows
+    in their own folder and never standing in for the other kind's."""
+    p = Point("bwd", 1, 2, (70,), K=8, V=8)
+    plain = inputs.make_point_inputs(p, "cpu")
+    assert inputs.call_options() == {} and torch.allclose(plain.q.float().norm(dim=-1), torch.ones(1), atol=1e-2)
+    monkeypatch.setenv(inputs.QK_L2NORM_ENV, "1")
+    raw = inputs.make_point_inputs(p, "cpu")
+    assert inputs.call_options() == {"use_qk_l2norm_in_kernel": True}
+    assert raw.q.float().norm(dim=-1).std() > 0.1
+    assert torch.allclose(torch.nn.functional.normalize(raw.k.float(), dim=-1), plain.k.float(), atol=1e-2)
+    assert torch.equal(raw.v, plain.v) and torch.equal(raw.g, plain.g)
+    assert cli.default_out_dir(torch.device("cpu")).name == "cpu-qk-l2norm"
+    (ours,) = impls.resolve("gdnkit:reference", "cpu")
+    o_raw = ours.chunk(raw)[0]
+    (ref_raw,) = runner.accuracy.reference_outputs(raw, "fwd")
+    monkeypatch.setenv(inputs.QK_L2NORM_ENV, "0")
+    o_plain = ours.chunk(plain)[0]
+    err = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert err(o_raw, o_plain) < 2e-2 and err(ref_raw, o_plain) < 2e-2
+    monkeypatch.setenv(inputs.QK_L2NORM_ENV, "yes")
+    with pytest.raises(ValueError, match="GDNKIT_BENCH_QK_L2NORM"):
         inputs.make_point_inputs(p, "cpu")
 
 
@@ -263,6 +289,12 @@ def test_cached_anchor_rows_are_reused_and_marked(monkeypatch):
     monkeypatch.setenv(inputs.GATES_ENV, "model")
     assert runner.find_cached([cached], point, fla, "cpu", versions) is None
     assert runner.find_cached([dict(cached, gates="model")], point, fla, "cpu", versions) is not None
+    # nor one measured with the other q / k normalisation (rows from before the field: normalised before)
+    monkeypatch.setenv(inputs.GATES_ENV, "random")
+    assert runner.find_cached([dict(cached, qk_l2norm=True)], point, fla, "cpu", versions) is None
+    monkeypatch.setenv(inputs.QK_L2NORM_ENV, "1")
+    assert runner.find_cached([cached], point, fla, "cpu", versions) is None
+    assert runner.find_cached([dict(cached, qk_l2norm=True)], point, fla, "cpu", versions) is not None
 
 
 def test_warm_up_skips_what_cached_anchor_rows_answer():
