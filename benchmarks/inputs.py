@@ -7,7 +7,8 @@ initialisation instead: per value head A ~ U(0, 16) and dt ~ logU(1e-3, 0.1) (dt
 softplus), g = -A softplus(a + dt_bias) with a ~ N(0, 1) per token. Its slowest heads decay ~1e-3 a token
 where logsigmoid(randn) decays ~0.8, which decides how context parallelism can start its segments.
 GDNKIT_BENCH_QK_L2NORM=1 (`bench --qk-l2norm`) draws q and k raw and has every implementation normalise them
-in the call (use_qk_l2norm_in_kernel, as Qwen3.5-style layers call it). Decode: B sequences of one new token each, a random fp32 state, output_final_state=True.
+in the call (use_qk_l2norm_in_kernel, as Qwen3.5-style layers call it). Decode: B sequences of one new token
+each, a random fp32 state, output_final_state=True.
 Every tensor is random (never zeros: zeros hide unwritten outputs and can run faster than real data)
 and drawn from a generator seeded by the grid point, so every implementation sees the same inputs.
 """

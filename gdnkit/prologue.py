@@ -13,8 +13,9 @@ from gdnkit import prep
 from gdnkit.problem import GDNGrads, Problem
 
 
-def _triton_reads(x: torch.Tensor) -> bool:
-    """Whether the l2norm's Triton kernels take x: a CUDA tensor, or a CPU one under the Triton interpreter."""
+def triton_reads(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel takes x: Triton is installed and x is a CUDA tensor, or a CPU one under the Triton
+    interpreter (the CPU tests). The l2norm passes here and tilelang_sm90's group sums ask it."""
     if x.device.type != "cuda" and not (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     try:
@@ -26,7 +27,7 @@ def _triton_reads(x: torch.Tensor) -> bool:
 
 def _l2norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / sqrt(sum(x^2) + eps) in x's dtype, rstd [..., 1] fp32) over the last dim."""
-    if _triton_reads(x):
+    if triton_reads(x):
         from gdnkit.backends.triton_generic.l2norm import l2norm_forward
         return l2norm_forward(x)
     xf = x.float()
@@ -54,13 +55,19 @@ def forward(problem: Problem, q, k, g, beta, A_log, dt_bias):
     return q, k, g, beta, stash
 
 
+def l2norm_backward_fp32(x, rstd, dy):
+    """The l2norm's backward in torch, fp32: rstd * (dy - y (y . dy)) with y = x * rstd, over the last dim (also
+    tilelang_sm90's group sums' torch form)."""
+    y = x.float() * rstd
+    return rstd * (dy - y * (y * dy).sum(-1, keepdim=True))
+
+
 def _l2norm_backward(x, rstd, dy):
-    """dx in x's dtype for y = x * rstd: rstd * (dy - y (y . dy)), in fp32 before the one rounding."""
-    if _triton_reads(x):
+    """dx in x's dtype for y = x * rstd, in fp32 before the one rounding."""
+    if triton_reads(x):
         from gdnkit.backends.triton_generic.l2norm import l2norm_backward
         return l2norm_backward(x, rstd, dy)
-    y = x.float() * rstd
-    return (rstd * (dy - y * (y * dy).sum(-1, keepdim=True))).to(x.dtype)
+    return l2norm_backward_fp32(x, rstd, dy).to(x.dtype)
 
 
 def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias, qk_normed: bool = False):

@@ -72,7 +72,7 @@ def test_prologue_takes_the_passes_and_agrees_with_its_torch_form(bf16_interpret
     outs = {}
     for form in ("triton", "torch"):
         if form == "torch":
-            monkeypatch.setattr(prologue, "_triton_reads", lambda x: False)
+            monkeypatch.setattr(prologue, "triton_reads", lambda x: False)
         qn, kn, _, _, stash = prologue.forward(problem, q, k, g, beta, None, None)
         grads = prologue.backward(problem, stash, dq, dk, dg, dbeta, None, None)
         outs[form] = (qn, kn, *grads[:2])

@@ -475,7 +475,7 @@ def test_group_sums_take_the_qk_l2norm_backward(lengths, H, HV, dtype, form, bf1
     from gdnkit import prep, seqlayout
     from gdnkit.backends.tilelang_sm90 import group_sum
     if form == "torch":
-        monkeypatch.setattr(group_sum, "triton", None)
+        monkeypatch.setattr(group_sum, "triton_reads", lambda t: False)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     layout, total = seqlayout.sequence_layout(cu), int(cu[-1]) + 5
     gen = torch.Generator().manual_seed(len(lengths) + H)

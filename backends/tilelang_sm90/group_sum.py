@@ -7,11 +7,10 @@ take at the HBM's rate. At 8 warps a program it reads and writes at ~4.1 TB/s (H
 1x32768, 4 warps 0.199, a grid split over dq / dk no faster)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from gdnkit import seqlayout
+from gdnkit.prologue import l2norm_backward_fp32, triton_reads
 
 try:
     import triton
@@ -73,7 +72,7 @@ def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int, dtype: torch
     if l2norm is not None:
         q_raw, q_rstd, k_raw, k_rstd = (t.contiguous() for t in l2norm)
         assert q_raw.numel() == k_raw.numel() == total * H * K and q_rstd.numel() == k_rstd.numel() == total * H
-    if triton is None or (dqk.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+    if not triton_reads(dqk):
         _sums_torch(dqk, layout, H, dq, dk, l2norm)
     else:
         cu, offsets, longest = runs or (layout.cu_seqlens, layout.chunk_offsets, max(layout.chunk_counts))
@@ -100,8 +99,7 @@ def _sums_torch(dqk, layout, H, dq, dk, l2norm=None):
         rows = sums[:, :, which].transpose(1, 2)[valid]                                       # [tokens, H, K]
         if l2norm is not None:
             x, rstd = (t.reshape(-1, H, t.shape[-1])[tokens[valid]] for t in l2norm[2 * which:2 * which + 2])
-            y = x.float() * rstd
-            rows = rstd * (rows - y * (y * rows).sum(-1, keepdim=True))
+            rows = l2norm_backward_fp32(x, rstd, rows)
         out[0, tokens[valid]] = rows.to(out.dtype)
 
 
