@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import gdnkit
+from gdnkit.prologue import triton_reads
 
 SM90 = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -1412,9 +1413,19 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
         kept = BACKEND.chunk_forward(problem, inputs)[2].hs
     assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
+    from gdnkit.backends.tilelang_sm90 import warmup_bound
+    token_sums, real_token_sums = [], warmup_bound._chunk_sums   # the flags' window sums over tokens
+    monkeypatch.setattr(warmup_bound, "_chunk_sums", lambda *a: token_sums.append(1) or real_token_sums(*a))
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
     assert sums_in_s0 == ([True] if fused else []), sums_in_s0
-    assert len(l2norm_passes) == (0 if fused or not varlen else 2), l2norm_passes
+    # the fused path's gated route reads its flags' sums from the training forward's per-row bounds where its
+    # intra kernel wrote them (the wide route's), else it sums the window's tokens
+    assert (saved.row_bounds is not None) == (wide or chained), saved.row_bounds
+    if fused and segments:
+        assert bool(token_sums) == (saved.row_bounds is None), token_sums
+    # the unfused path's prologue takes the Triton pass only where Triton reads these CPU tensors (the CPU
+    # suite's interpreter; on a GPU machine this host test's tensors take the torch form)
+    assert len(l2norm_passes) == (2 if varlen and not fused and triton_reads(q) else 0), l2norm_passes
 
     d64 = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
     p64, i64 = validate_inputs(CHUNK_MODE, **d64, output_final_state=True, cu_seqlens=cu,
