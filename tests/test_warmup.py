@@ -22,6 +22,11 @@ def _log_norm_bound(g, k, beta):
     return g[0].double() + (1 - beta[0].double() * kk).abs().clamp_min(1.0).log()
 
 
+def _row_sums(t, log_b):
+    """[n_rows, HV] fp32: the bound summed over each chunk-table row's tokens (the intra kernel's emit_bound)."""
+    return torch.stack([log_b[int(a):int(b)].sum(0) for a, b in zip(t.row_starts, t.row_ends)]).float()
+
+
 def _run(S, k, v, g, beta, lo, hi):
     """The token recurrence over [lo, hi) for one value head: S <- e^g (I - beta k k^T) S + beta k v^T."""
     for t in range(lo, hi):
@@ -126,6 +131,20 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
         want[j + 1 if reverse else j - 1] = unsettled.to(torch.int32)
     got = warmup.transitions_needed(t, g, k, beta, window, reverse)
     assert got.dtype == torch.int32 and torch.equal(got, want)
+    # from per-row sums (the training forward's intra kernel writes them, fp32): the same test over the same
+    # chunks, read at each segment's rows (a wrong row or direction reads another chunk's sum)
+    rows = _row_sums(t, log_b)
+    want_rows = torch.zeros_like(want)
+    for j in range(t.starts.shape[0]):
+        avail = (t.after_host if reverse else t.before_host)[j]
+        if avail == 0:
+            continue
+        m = min(window, avail)
+        first = int(t.end_rows[j]) if reverse else t.chunk_rows_host[j] - m
+        total = rows[first:first + m].double().sum(0)
+        want_rows[j + 1 if reverse else j - 1] = ((m < avail) & (total > warmup.LOG_BOUND)).to(torch.int32)
+    got = warmup.transitions_needed(t, g, k, beta, window, reverse, row_sums=rows)
+    assert torch.equal(got, want_rows), (got, want_rows)
 
 
 @settings(max_examples=25, deadline=None)

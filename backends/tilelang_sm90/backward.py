@@ -188,7 +188,7 @@ def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht) -> torch.Tensor:
     same search's flags)."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, n_seg, w = do.device, plan.segments.n_seg, plan.walks
-    walk, need = warmup.reverse_warmup(plan.warmup, s.g, s.k, s.beta, plan.window)
+    walk, need = warmup.reverse_warmup(plan.warmup, s.g, s.k, s.beta, plan.window, s.row_bounds)
     warm = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
     kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], dht is not None, True,
                                    _ds_only_block_v(n_seg, HV, dev), True, True)
@@ -315,7 +315,8 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
         walks = None
         if route == "chained":
             w = plan.walks
-            walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True), w.after, w.seq_end)
+            walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True, row_sums=s.row_bounds),
+                     w.after, w.seq_end)
             ds_end, dh0 = None if dht is None else dht.index_select(0, w.seq_of), None
         elif route == "gated":
             ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht), None

@@ -338,6 +338,9 @@ class Saved:
     A_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
     dtypes: dict
+    # the decay bound's log per chunk-table row and value head, [num_chunks, HV] fp32, where the forward's route had
+    # the intra kernel write it (emit_bound): the backward's warm-up search reads it instead of summing K again
+    row_bounds: torch.Tensor | None = None
 
 
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
@@ -445,7 +448,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
 
     saved = None
     if train and layout.n_chunks:
-        saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, states, layout, stash, A_log, dt_bias, dtypes)
+        saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, states, layout, stash, A_log, dt_bias, dtypes,
+                      row_bounds)
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()

@@ -147,24 +147,28 @@ def fixed_warmup(t: WarmupTables, window: int, device: torch.device) -> WarmupRu
 
 
 def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
-                       reverse: bool = False) -> torch.Tensor:
+                       reverse: bool = False, row_sums: torch.Tensor | None = None) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because the warm-up of
     min(window, available) chunks (fixed_warmup; reverse_warmup's window with reverse) leaves, for that head, the
     segment it hands its state to (the next one; the previous one with reverse) outside the bound; 0 elsewhere
-    (the gated route's flags: context_parallel.py)."""
+    (the gated route's flags: context_parallel.py). row_sums: as reverse_warmup's."""
     from .warmup_bound import transitions_needed as flags
-    return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND)
+    return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND,
+                 None, row_sums, t.end_rows if reverse else t.chunk_rows)
 
 
 def reverse_warmup(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
-                   window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   window: int, row_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(walk, need), [n_seg, HV] int32 on the device, in one search: the backward's warm-up per segment and value
     head -- the fewest of the min(window, available) chunks after the segment whose bound is <= LOG_BOUND, all of
     them where none is (the reverse pass walks them in place from the segment's end, backward._gated_ds_ends) --
-    and transitions_needed(..., reverse=True)'s flags for the pairs the window leaves unsettled."""
+    and transitions_needed(..., reverse=True)'s flags for the pairs the window leaves unsettled. row_sums: the
+    bound summed per chunk-table row, [n_chunks, HV] fp32, where the training forward's intra kernel wrote it
+    (forward.Saved.row_bounds): read in place of summing the window's tokens again (one launch fewer)."""
     from .warmup_bound import transitions_needed as flags
     walk = torch.empty(t.starts.shape[0], g.shape[2], dtype=torch.int32, device=g.device)
-    need = flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, True, LOG_BOUND, walk)
+    need = flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, True, LOG_BOUND, walk,
+                 row_sums, t.end_rows)
     return walk, need
 
 

@@ -86,12 +86,14 @@ def _row_bounds_kernel(g, k, beta, row_starts, row_ends, walked, sums, n_tok, H:
 
 
 @triton.jit
-def _needs_kernel(sums, before, after, need, walk, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
-                  REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr, WALK: tl.constexpr):
+def _needs_kernel(sums, base, before, after, need, walk, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
+                  REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr, WALK: tl.constexpr, ROWS: tl.constexpr):
     """Segment j's warm-up of exactly m = min(window, chunks available) chunks, per value head: settled if it
     reaches the sequence's start (end) or its summed bound is <= LOG_BOUND. Where a head is not settled, the
     exact route needs the transition of the segment that hands segment j its state -- the one before it (after
-    it with REVERSE) -- so need[that segment, head] = 1; else 0. sums: [n_seg, stride, HV]. WALK: also
+    it with REVERSE) -- so need[that segment, head] = 1; else 0. sums: [n_seg, stride, HV], or with ROWS
+    [n_rows, HV] per chunk-table row, segment j's i-th chunk at row base[j] - 1 - i (base[j] + i with REVERSE:
+    base is its first row, or the row after it), as walk_lengths reads them. WALK: also
     walk[j, hv], the first count of those m chunks (nearest first) whose summed bound is <= LOG_BOUND, else m: a
     walk that long settles the pair wherever the flag says the m chunks do (the same sum, or a shorter one)."""
     j = tl.program_id(0).to(tl.int64)
@@ -101,8 +103,15 @@ def _needs_kernel(sums, before, after, need, walk, window, stride, HV: tl.conste
     m = tl.minimum(avail, window)
     total = tl.zeros([HVP], dtype=tl.float64)
     first = tl.zeros([HVP], dtype=tl.int32) + m
+    row0 = j * stride
+    step = 1
+    if ROWS:
+        row0 = tl.load(base + j)
+        if not REVERSE:   # the chunks before the segment, nearest first
+            row0 -= 1
+            step = -1
     for i in range(0, m):
-        total += tl.load(sums + (j * stride + i) * HV + hv, mask=mh, other=0.0)
+        total += tl.load(sums + (row0 + step * i) * HV + hv, mask=mh, other=0.0).to(tl.float64)
         if WALK:
             first = tl.where((first == m) & (total <= LOG_BOUND), i + 1, first)
     if WALK:
@@ -155,18 +164,25 @@ def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse:
 
 def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch.Tensor, before: torch.Tensor,
                        after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
-                       reverse: bool, log_bound: float, walk: torch.Tensor | None = None) -> torch.Tensor:
+                       reverse: bool, log_bound: float, walk: torch.Tensor | None = None,
+                       row_sums: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a (segment, head)'s transition is needed because a warm-up of
     min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the bound
     (warmup.transitions_needed's test, read by the gated route's exact kernels; nothing is read back). walk
-    ([n_seg, HV] int32): also the fewest of those chunks that settle each pair (_needs_kernel), written there."""
+    ([n_seg, HV] int32): also the fewest of those chunks that settle each pair (_needs_kernel), written there.
+    row_sums ([n_rows, HV] fp32, as the intra kernel's emit_bound writes them) with rows (each segment's first
+    chunk-table row; the row after it with reverse): the window's chunk sums read from there, one launch fewer
+    (the per-token sums in float64 here, per row in fp32 there: a head at the bound's edge may get one chunk more
+    or less, either within the bound)."""
     n_seg, HV = starts.shape[0], g.shape[2]
     need = torch.zeros(n_seg, HV, dtype=torch.int32, device=g.device)
     if n_seg:
-        sums = _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
-        _needs_kernel[(n_seg,)](sums, before, after, need, need if walk is None else walk, window, sums.shape[1],
+        by_rows = row_sums is not None
+        sums = row_sums if by_rows else _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
+        _needs_kernel[(n_seg,)](sums, rows if by_rows else before, before, after, need,
+                                need if walk is None else walk, window, 0 if by_rows else sums.shape[1],
                                 HV=HV, HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound,
-                                WALK=walk is not None, num_warps=1)
+                                WALK=walk is not None, ROWS=by_rows, num_warps=1)
     return need
 
 
