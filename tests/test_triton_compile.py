@@ -63,7 +63,10 @@ KERNELS = {
     "warmup_walks": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_walks_kernel",
                      dict(HV=8, HVP=8, BM=64, REVERSE=True, LOG_BOUND=-12.0)),
     "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
-                     dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0, WALK=True)),
+                     dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0, WALK=True, ROWS=False)),
+    # ... reading the training forward's per-row bounds (the backward's flags; forward rows, nearest first)
+    "warmup_needs_rows": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
+                          dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0, WALK=False, ROWS=True)),
     "wide_pick": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
     # and the fused backward's GVA sums (group_sum.py)
     "group_sums": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",

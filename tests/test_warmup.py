@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
@@ -161,11 +162,18 @@ def test_walks_match_their_definition(lengths, seg, heads, K, rate, beta_max, re
     LOG_BOUND, or all the chunks to the sequence's boundary; 0 where there are none. Against the bound in
     PyTorch."""
     t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)
-    log_b = _log_norm_bound(g, k, beta)
-    want = torch.zeros(t.starts.shape[0], heads[1], dtype=torch.int32)
+    want = _walks_by_definition(t, _log_norm_bound(g, k, beta), reverse)
+    got = warmup.walk_lengths(t, g, k, beta, reverse)
+    assert got.dtype == torch.int32 and torch.equal(got, want), (got, want)
+
+
+def _walks_by_definition(t, log_b, reverse):
+    """[n_seg, HV] int32: per segment and value head, the fewest whole chunks next to it (nearest first) whose
+    summed bound is <= LOG_BOUND, else all of them to the sequence's boundary."""
+    want = torch.zeros(t.starts.shape[0], log_b.shape[1], dtype=torch.int32)
     for j in range(t.starts.shape[0]):
         avail = (t.after_host if reverse else t.before_host)[j]
-        for hv in range(heads[1]):
+        for hv in range(log_b.shape[1]):
             total, m = 0.0, avail
             for i in range(avail):
                 if reverse:
@@ -177,8 +185,22 @@ def test_walks_match_their_definition(lengths, seg, heads, K, rate, beta_max, re
                     m = i + 1
                     break
             want[j, hv] = m
+    return want
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_walks_read_on_while_any_head_lacks_its_count(reverse):
+    """The walks' search reads its blocks of 64 chunk sums only until every head has its count. Four heads over a
+    150-chunk sequence cut every 20 chunks, beta = 0 (the bound is the gates' sum): one settles in a chunk, one
+    after 75 (the second block), one after 140 (the third), one never (to the boundary). A search that stopped
+    after a block, or once any head settled, gives the slow heads' counts wrong."""
+    t, g, k, beta = _segmented_draw([150 * CHUNK], 20, (1, 4), 8, 1.0, 0.0, 0)
+    per_chunk = torch.tensor([-64.0, -12.0 / 74.5, -12.0 / 139.5, -1e-4], dtype=torch.float64)
+    g = (per_chunk / CHUNK).expand(1, g.shape[1], 4).clone()
+    want = _walks_by_definition(t, _log_norm_bound(g, k, beta), reverse)
+    assert sorted(set(want[:, 1].tolist()))[-1] > 64 and want[:, 2].max() > 128   # the blocks the search must read
     got = warmup.walk_lengths(t, g, k, beta, reverse)
-    assert got.dtype == torch.int32 and torch.equal(got, want), (got, want)
+    assert torch.equal(got, want), (got, want)
 
 
 def test_launch_gathers_each_warmup_as_its_own_sequence():
