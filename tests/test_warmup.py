@@ -198,7 +198,7 @@ def test_walks_read_on_while_any_head_lacks_its_count(reverse):
     per_chunk = torch.tensor([-64.0, -12.0 / 74.5, -12.0 / 139.5, -1e-4], dtype=torch.float64)
     g = (per_chunk / CHUNK).expand(1, g.shape[1], 4).clone()
     want = _walks_by_definition(t, _log_norm_bound(g, k, beta), reverse)
-    assert sorted(set(want[:, 1].tolist()))[-1] > 64 and want[:, 2].max() > 128   # the blocks the search must read
+    assert want[:, 1].max() > 64 and want[:, 2].max() > 128   # the blocks the search must read
     got = warmup.walk_lengths(t, g, k, beta, reverse)
     assert torch.equal(got, want), (got, want)
 

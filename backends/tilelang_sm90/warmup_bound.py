@@ -186,7 +186,7 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
     if n_seg:
         by_rows = row_sums is not None
         sums = row_sums if by_rows else _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
-        _needs_kernel[(n_seg,)](sums, rows if by_rows else before, before, after, need,
+        _needs_kernel[(n_seg,)](sums, rows if by_rows else before, before, after, need,   # (base unread w/o ROWS)
                                 need if walk is None else walk, window, 0 if by_rows else sums.shape[1],
                                 HV=HV, HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound,
                                 WALK=walk is not None, ROWS=by_rows, num_warps=1)
