@@ -337,7 +337,12 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     assert src.count("wgmma_ss<") == 21
     # K lands on a barrier of its own, each role waiting for it once before its first product with K
     assert src.count("k_loaded[0].wait(") == 4 and src.count("k_loaded[0].arrive()") == 2
-    assert src.count("tma_store(") == 1    # a full chunk's dv
+    # one TMA store, a full chunk's dv; it and the tiles each program reads once carry L2's evict-first hint, Q and
+    # K (both value heads of a key head read them) none (each tile loaded before the loop and in it)
+    assert src.count("tma_store(") == 0 and src.count("tma_store<tl::CacheHintSm90::EVICT_FIRST>(dv_desc") == 1
+    for d in ("do", "hs", "xv", "a", "tm"):
+        assert src.count(f"tma_load<tl::CacheHintSm90::EVICT_FIRST>({d}_desc") == 2, d
+    assert src.count("tma_load(q_desc") == src.count("tma_load(k_desc") == 2
     # dq's and dk's by the threads into their slots of S0's buffer, 16 bytes a store (group_sum.slot_offset): g's
     # dq term and dk, p's read of that term and its dq
     assert src.count("*(uint4*)(dqk + ") == 4 and "*(uint1*)(dqk + " not in src

@@ -124,6 +124,13 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
     # chunk's end (~3300 clocks from it to the next chunk); until session 18 T, the gates and Q waited with K for
     # g's last products.
+    # The tiles a program reads once (dO, S0, X, Tb and T; not Q and K, which both value heads of a key head read)
+    # and dV's store carry L2's evict-first hint, so that L2 keeps what is read again: Q and K, and dq's slot, which
+    # g stores and p reads back (H200 session 36, run 6: fused kernel 338 -> 313 us at 4/8 1x32768, 95 -> 92 at 4/8
+    # 1x8192, the same at 16/32; gradients bitwise equal). Every request added to the kernel's own has cost more
+    # than it brought: L2 prefetches of the next chunk's tiles, by lines or by bulk copies, +3% to +42% (runs 2-4)
+    once = "evict_first"
+
     def chunk_of(n_chunks, i):
         """Step i's chunk within its run (chunks right to left)."""
         return n_chunks - 1 - i
@@ -135,22 +142,22 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
 
     @T.macro
     def load_do(do, do_s, loaded, bos, n_chunks, hv, i):
-        T.tma_copy(do[0, rows(bos, n_chunks, i), hv, 0:V], do_s, barrier=loaded)
+        T.tma_copy(do[0, rows(bos, n_chunks, i), hv, 0:V], do_s, barrier=loaded, eviction_policy=once)
 
     @T.macro
     def load_s0_x(hs, xv, s0_s, x_s, loaded, bos, c0, n_chunks, hv, i):
-        T.tma_copy(hs[c0 + chunk_of(n_chunks, i), hv, 0:K, 0:V], s0_s, barrier=loaded)
-        T.tma_copy(xv[0, rows(bos, n_chunks, i), hv, 0:V], x_s, barrier=loaded)
+        T.tma_copy(hs[c0 + chunk_of(n_chunks, i), hv, 0:K, 0:V], s0_s, barrier=loaded, eviction_policy=once)
+        T.tma_copy(xv[0, rows(bos, n_chunks, i), hv, 0:V], x_s, barrier=loaded, eviction_policy=once)
 
     @T.macro
     def load_tb(a, tb_s, loaded, bos, n_chunks, hv, i):
         """The last load on `loaded`, and the owner's arrival that closes its phase."""
-        T.tma_copy(a[0, rows(bos, n_chunks, i), hv, 0:C], tb_s, barrier=loaded)
+        T.tma_copy(a[0, rows(bos, n_chunks, i), hv, 0:C], tb_s, barrier=loaded, eviction_policy=once)
         T.barrier_arrive(loaded)
 
     @T.macro
     def load_t_gates(tm, gamma, t_s, g_s, loaded, bos, c0, n_chunks, hv, i):
-        T.tma_copy(tm[0, rows(bos, n_chunks, i), hv, 0:C], t_s, barrier=loaded)
+        T.tma_copy(tm[0, rows(bos, n_chunks, i), hv, 0:C], t_s, barrier=loaded, eviction_policy=once)
         T.tma_copy(gamma[hv, c0 + chunk_of(n_chunks, i), 0:C], g_s, barrier=loaded)
 
     @T.macro
@@ -179,7 +186,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         T.copy(acc, stage)
         T.fence_proxy_async()
         if n_valid == C:
-            T.copy(stage, out[0, t0:t0 + C, hv, 0:128])
+            T.copy(stage, out[0, t0:t0 + C, hv, 0:128], eviction_policy=once)
         else:
             for r, j in T.Parallel(C, 128):
                 if r < n_valid:
