@@ -1,0 +1,102 @@
+"""Every kernel of the GPU backends once, at small shapes: the program tests/test_sanitizer.py runs under
+NVIDIA's compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
+
+Run as `python tests/sanitizer_workload.py BACKEND [BACKEND ...]` on a CUDA machine. Shapes are small so an
+instrumented run stays within minutes, but they reach each kernel and route: varlen with an empty and a
+one-token sequence and chunk tails, GVA, initial and final states, the qk l2norm, gate and beta options,
+training (forward + backward), context parallelism (a few long sequences at few heads: segments), and for
+triton_generic the fused recurrent decode with a state pool (1-D and 2-D slot indices, padding rows).
+Prints one line per call and `WORKLOAD DONE` at the end; a sanitizer error is reported by the tool itself.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import gdnkit
+
+K = V = 128
+
+
+def _inputs(lengths, H, HV, *, dtype=torch.bfloat16, grad=False, seed=0, state=True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lengths)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q = rnd(1, T, H, K).to(dtype)
+    k = F.normalize(rnd(1, T, H, K), dim=-1).to(dtype)
+    v = rnd(1, T, HV, V).to(dtype)
+    g = F.logsigmoid(rnd(1, T, HV))
+    beta = torch.rand(1, T, HV, device="cuda", generator=gen)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+    h0 = rnd(len(lengths), HV, K, V) if state else None
+    tensors = [q, k, v, g, beta] + ([h0] if state else [])
+    if grad:
+        for t in tensors:
+            t.requires_grad_(True)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
+
+
+def chunked(backend: str) -> None:
+    cases = [
+        # (lengths, H, HV, training, options)
+        ((0, 1, 64, 135, 70), 2, 8, False, {}),
+        ((0, 1, 64, 135, 70), 2, 8, True, {}),
+        ((200, 1), 4, 16, True, dict(use_qk_l2norm_in_kernel=True)),
+        # few long sequences at few heads: context parallelism's segments (forward and backward)
+        ((3000, 1100), 2, 4, True, {}),
+        ((4160,), 4, 16, False, {}),
+    ]
+    for lengths, H, HV, training, options in cases:
+        call = _inputs(lengths, H, HV, grad=training)
+        with torch.set_grad_enabled(training):
+            o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend, **options)
+            if training:
+                (o.float().square().sum() + ht.square().sum()).backward()
+        torch.cuda.synchronize()
+        print(f"chunk {backend} lengths={lengths} heads={H}/{HV} training={training} {options}", flush=True)
+    # the gate and beta activations in the call (raw inputs)
+    call = _inputs((130, 7), 2, 4, grad=True, state=False)
+    A_log = torch.zeros(4, device="cuda", requires_grad=True)
+    dt_bias = torch.zeros(4, device="cuda", requires_grad=True)
+    o, _ = gdnkit.chunk_gated_delta_rule(**call, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                         use_beta_sigmoid_in_kernel=True, backend=backend)
+    o.float().square().sum().backward()
+    torch.cuda.synchronize()
+    print(f"chunk {backend} gate and beta options", flush=True)
+
+
+def decode(backend: str) -> None:
+    H, HV, N = 2, 8, 6
+    pool = torch.randn(16, HV, K, V, device="cuda")
+    with torch.inference_mode():
+        call = _inputs((1,) * N, H, HV, state=False)
+        call.pop("initial_state")
+        idx = torch.tensor([3, 0, -1, 7, 9, 15], device="cuda", dtype=torch.int32)
+        gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=pool, ssm_state_indices=idx, backend=backend)
+        call = _inputs((4, 4, 3), H, HV, state=False)
+        call.pop("initial_state")
+        idx = torch.tensor([[1, 2, 4, 5], [6, 8, 10, 11], [-1, 12, 13, 14]], device="cuda", dtype=torch.int32)
+        acc = torch.tensor([1, 2, 1], device="cuda", dtype=torch.int32)
+        gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=pool, ssm_state_indices=idx,
+                                                num_accepted_tokens=acc, backend=backend)
+        call = _inputs((5, 0, 9), H, HV)
+        gdnkit.fused_recurrent_gated_delta_rule(**call, output_final_state=True, backend=backend)
+    torch.cuda.synchronize()
+    print(f"decode {backend}", flush=True)
+
+
+def main(backends: list[str]) -> None:
+    for backend in backends:
+        chunked(backend)
+        if backend == "triton_generic":
+            decode(backend)
+    print("WORKLOAD DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or gdnkit.available_backends())

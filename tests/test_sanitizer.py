@@ -1,0 +1,57 @@
+"""compute-sanitizer over every kernel of the GPU backends (tests/sanitizer_workload.py), one tool at a time:
+memcheck (out-of-bounds and misaligned accesses), racecheck (shared-memory hazards), synccheck (barrier misuse),
+initcheck (reads of device memory nothing wrote). Marked gpu and slow: each run instruments every launch.
+
+GDNKIT_SANITIZER_LOGS=<dir> keeps each run's output there (benchmarks/results/<gpu>/sanitizer.md records them).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+WORKLOAD = pathlib.Path(__file__).with_name("sanitizer_workload.py")
+TOOLS = ["memcheck", "racecheck", "synccheck", "initcheck"]
+# initcheck: torch's caching allocator hands out memory it never wrote (by design); only reads count, and
+# only of memory a kernel was given, which --track-unused-memory does not change.
+TOOL_ARGS = {"memcheck": ["--leak-check", "no"], "racecheck": ["--racecheck-report", "hazard"],
+             "synccheck": [], "initcheck": []}
+
+
+def _gpu_backends() -> list[str]:
+    try:
+        import gdnkit
+        return [b for b in gdnkit.available_backends() if b != "reference"]
+    except Exception:
+        return []
+
+
+@pytest.mark.parametrize("backend", _gpu_backends() or ["none"])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_compute_sanitizer_clean(tool, backend):
+    if backend == "none":
+        pytest.skip("no GPU backend on this machine")
+    exe = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    if exe is None:
+        pytest.skip("compute-sanitizer is not installed")
+    cmd = [exe, "--tool", tool, "--error-exitcode", "99", *TOOL_ARGS[tool], sys.executable, str(WORKLOAD), backend]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    out = run.stdout + run.stderr
+    logs = os.environ.get("GDNKIT_SANITIZER_LOGS")
+    if logs:
+        pathlib.Path(logs).mkdir(parents=True, exist_ok=True)
+        pathlib.Path(logs, f"{tool}-{backend}.log").write_text(out)
+    assert "WORKLOAD DONE" in out, out[-4000:]
+    summary = re.search(r"ERROR SUMMARY: (\d+) error", out)
+    assert summary is not None, out[-4000:]
+    assert int(summary.group(1)) == 0 and run.returncode == 0, out[-6000:]
