@@ -176,8 +176,8 @@ def _open_matmul_workspaces(device: torch.device) -> None:
     """cuBLAS keeps a workspace per handle, one handle per thread, from its first matmul on (memory_allocated
     counts them: 32 MiB for the main thread's on the H200). The float64 reference's first forward and backward
     (the autograd engine's thread) made them in the middle of the first point, so every row after that point's
-    first implementation carried 64 MiB in its peak and that one did not (session 9: 4/8 1x8192's gdnkit row
-    over FLA's for that alone). Made here, on both threads, every row carries them."""
+    first implementation carried 64 MiB in its peak and that one did not (4/8 1x8192's gdnkit row
+    was over FLA's for that alone). Made here, on both threads, every row carries them."""
     if device.type != "cuda":
         return
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):

@@ -1,4 +1,4 @@
-"""The sequential pass over chunks (ALGORITHM.md section 2): per (sequence, value head, V block) the state
+"""The sequential pass over chunks (docs/algorithm.md section 2): per (sequence, value head, V block) the state
 S [K, BV] stays in fp32 registers from the first chunk to the last.
 
 Per chunk: U = U' - W S0 (or, U_ON_CHIP, T diag(beta) (V - diag(Gamma) K S0): NewValues), S_end = Gamma_C S0 +
