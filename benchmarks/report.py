@@ -32,21 +32,10 @@ class ResultFiles:
     def path(self, name: str) -> Path:
         return self.folder / (f"{self.kind}-{name}" if self.kind else name)
 
-    @property
-    def latest(self) -> Path:
-        return self.path("latest.json")
-
-    @property
-    def details(self) -> Path:
-        return self.path("details.json")
-
-    @property
-    def results(self) -> Path:
-        return self.path("results.md")
-
-    @property
-    def chart(self) -> Path:
-        return self.path("speedup.png")
+    latest = property(lambda self: self.path("latest.json"))
+    details = property(lambda self: self.path("details.json"))
+    results = property(lambda self: self.path("results.md"))
+    chart = property(lambda self: self.path("speedup.png"))
 
     def log(self, passes: list[str]) -> Path:
         return self.path(f"run-{'-'.join(passes)}.log")
