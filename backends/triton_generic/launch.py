@@ -19,7 +19,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 SIXTEEN_BIT = {
-    # H200 (2026-11-30, scratch sweep over 2/4/8 warps x 1/2/3 stages; per-kernel device time, ms, at 16/64
+    # H200 (a sweep over 2/4/8 warps x 1/2/3 stages, docs/performance.md; per-kernel device time, ms, at 16/64
     # 1x32768 unless named): fewer warps than the 8 of the first version win almost everywhere
     "kkt": (4, 2),             # 0.490 -> 0.355 (8 -> 4 warps; 197 registers, no spills)
     "diag_inverse": (1, 3),    # one warp per 16 x 16 block: 64 registers, no barriers (2 warps add 3 a row)
