@@ -380,7 +380,8 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
     FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
     longer than the SMs' even share; the staged one elsewhere (points of benchmarks/results/h200/backward-paths.md,
-    each on the side that measured faster), and the staged one where the forward kept S0. GDNKIT_SM90_FUSED_BACKWARD=1 / 0
+    each on the side that measured faster), and the staged one where the forward kept S0.
+    GDNKIT_SM90_FUSED_BACKWARD=1 / 0
     forces one; any other value fails at import with the variable named."""
     import itertools
     import os
@@ -1889,8 +1890,8 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     kernel's dS from zero, no dh0: the usual training call), one value
     head a key head with an empty sequence (one-per-key-head: groups of one); and the
     same call six times, bitwise: dg's chunk-end term (the owner's and g's warpgroup reductions) is where forms that
-    moved the roles' timing went wrong from call to call, in a segment's first chunk (K and Q in alternating slots; ordered pairs of value heads;
-    docs/performance.md)."""
+    moved the roles' timing went wrong from call to call, in a segment's first chunk (K and Q in alternating
+    slots; ordered pairs of value heads; docs/performance.md)."""
     launched = _fused_backward_forced(monkeypatch)
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import forward as fwd
@@ -1945,7 +1946,8 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
 
 @pytest.mark.gpu
 def test_backward_fused_with_options(monkeypatch):
-    """The fused backward under the options' prologue (qk l2norm, whose backward runs inside the group sums; the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
+    """The fused backward under the options' prologue (qk l2norm, whose backward runs inside the group sums;
+    the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
     both states: every gradient, dA_log and ddt_bias included, against autograd through the float64 reference, and
     the call twice bitwise."""
     launched = _fused_backward_forced(monkeypatch)

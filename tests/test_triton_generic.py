@@ -200,7 +200,7 @@ def test_bf16_through_the_patched_interpreter(bf16_interpreter):
     # the GPU's dtype on the CPU (conftest.bf16_interpreter): the GPU tests' bars, on bf16-rounded inputs so
     # the error is the kernels' own. The patched interpreter gives the H200's dq / dk / dv errors to three
     # digits on test_gpu_quick_heads_gradients_bf16[8-32]'s input, but dg 2.7e-3 where the H200 gave 1.06e-2
-    # before the backward's recompute split U' (docs/performance.md, triton_generic): that loss is the GPU build's, not the algebra's.
+    # before the backward's recompute split U' (docs/performance.md): that loss is the GPU build's, not the algebra's.
     call = _bf16_rounded(make_call(200, 1, 2, 32, 32, lengths=[1, 64, 135]))
     o_ref, ht_ref, g_ref, do, dht = reference(call)
     o, ht, grads = run_backend(call, torch.bfloat16, do, dht)
@@ -520,5 +520,5 @@ def test_reverse_pass_build_matches_its_arithmetic(bf16_interpreter, BV):
     want = _reverse_pass_emulated(q, k, w, gcum, do, du_local, dht, scale, H, HV)
     errs = {n: rel(a.float().cpu(), b.float().cpu()) for n, a, b in zip(("dh", "du", "dh0"), (dh, du, dh0), want)}
     # a GPU's own roundings (fp32 sums in another order, exp2.approx) flip a bf16 rounding of dU or dS_end now
-    # and then: ~5e-5 estimated; placing the roundings elsewhere (an earlier form of the kernels) moves these by 4e-4 to 1e-3
+    # and then: ~5e-5 estimated; placing the roundings elsewhere (an earlier kernel form) moves these by 4e-4 to 1e-3
     assert all(e <= 3e-4 for e in errs.values()), errs

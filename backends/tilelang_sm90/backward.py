@@ -52,14 +52,15 @@ _fused_env = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "")
 if _fused_env not in _FUSED_SETTINGS:
     raise ValueError(f"GDNKIT_SM90_FUSED_BACKWARD must be 1, 0 or auto, got {_fused_env!r}")
 FUSED = _FUSED_SETTINGS[_fused_env]
-# The rule (H200, the full grid's 32 backward points with each path forced, benchmarks/results/h200/backward-paths.md): the
+# The rule (H200, the full grid's 32 backward points with each path forced,
+# benchmarks/results/h200/backward-paths.md): the
 # fused path where the work is at least FUSED_MIN_WORK chunks x value heads (below, the staged path's fixed costs
 # are lower: its S0 recompute runs beside its reverse pass, the fused kernel waits for all of it) and its longest
 # program (a sequence, or a segment of the wide route's cut) at most FUSED_MAX_IMBALANCE times the SMs' even
 # share of the work (the fused kernel walks each program's chunks in series; the staged path's per-chunk kernel
 # runs every chunk at once, so one long sequence among short ones keeps only the fused kernel waiting). It picked
 # the faster path at 29 of the 32 points, the other three within 2%. With the fused path's segment
-# fix-ups cut from ~0.08 to ~0.03 ms, a second measurement of the 18 points under 4096 and at it again: the fused path now wins
+# fix-ups cut from ~0.08 to ~0.03 ms, a second measurement of the 18 points under 4096 and at it: the fused path wins
 # from 1024 (4/8 at 8192 tokens 1.05-1.09x, 8/16 1.22-1.25x, 2/4 at 32768 1.16-1.20x where the imbalance rule
 # lets it; 2/4 at 8192, 512-532, 0.89-0.96x but for one 1.12x): 17 of the 18 picked right.
 FUSED_MIN_WORK = 1024
@@ -217,7 +218,7 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: 
     None. The recompute of S0 (the forward's state pass again, forward.entering_states) does not feed the reverse
     pass, and both are chains of few programs: where both fit the SMs together at 64-wide V tiles (16/32 1x32768
     without segments: 64 + 64 CTAs on 132 SMs, one per SM each), the recompute goes to a side stream and
-    chunk_grads, the first to read S0, waits for it (H200, docs/performance.md: backward 3.66 -> 3.49 ms there). Elsewhere
+    chunk_grads, the first to read S0, waits for it (H200: backward 3.66 -> 3.49 ms there). Elsewhere
     the planned 32-wide tiles already fill the SMs, and the recompute runs just before chunk_grads, which then
     finds S0 in L2 where it fits (4/8 1x8192: 33 MB; running it first cost ~0.03 ms). hs is allocated on the
     calling stream before the fork and every use after the join is ordered behind the side stream's work, so its
@@ -393,7 +394,7 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream beside
     # them, its outputs allocated here before the fork and read after the join (as _recompute_beside). At one
     # program an SM the recompute held 128 SMs' registers and the route's small launches took the rest and the gaps
-    # (H200, docs/performance.md, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192,
+    # (H200, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192,
     # 16/32 1x32768; eager profiles then count the route's kernels over their stretched spans); at two an SM
     # its programs leave no SM whole for the route's 128-column pass until they end, and the backward is still
     # 2.5-4% faster than at one

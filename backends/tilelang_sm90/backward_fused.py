@@ -1,4 +1,4 @@
-"""The backward's reverse pass fused with the per-chunk gradients (docs/sm90-design.md, "The fused kernel"): per (sequence
+"""The backward's reverse pass fused with the per-chunk gradients (docs/sm90-design.md): per (sequence
 or segment, value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; nothing of the
 chain (dS_end, dU, dX) leaves the chip. Per chunk, from S0 and X (both from the forward's state pass run again,
 forward.entering_states_and_x), Tb, T, gamma, beta, Q, K and dO, with P = s Q K^T (.) D_incl:
@@ -38,7 +38,7 @@ product and a pass over V's tile) on the chain: the recompute of S0 makes X anyw
 (each chunk's X is read by the chunk's first loads, its dV stored at the chunk's end: the same rows, one
 program's), so x starts at U. The solve's backward is split between x and p: given wholly to p, after its P work,
 p paced every chunk (clock64 trace, 16/32 1x32768: p's last barrier ~39700 clocks into a ~49300-clock step, x idle
-from ~15800); wholly in x it paced the step the same way (~45400 clocks; docs/performance.md). Single-slot tiles, each reloaded for the
+from ~15800); wholly in x it paced the step the same way (~45400 clocks). Single-slot tiles, each reloaded for the
 next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
 chunk's loads).
 
@@ -228,7 +228,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         the caller adding the four warps'. Thread t holds rows t // 32 * 16 + t % 32 // 4 (+ 8) and columns
         8 n + t % 4 * 2 (+ 1): its two rows into part[t, :] (thread-local), the 8 lanes of a column summed by
         shuffles, one lane each written. TileLang's reduce_sum over dim 0 takes hardware barriers 1 and 2 and a
-        workspace shared with the owner's and g's reductions (a race once their timing moved); this needs no barrier but p's
+        workspace shared with the owner's and g's reductions (a race, once their
+        timing moved); this needs no barrier but p's
         own (TileLang syncs p's 128 threads between the tile's writes and reads)."""
         T.clear(part)
         for r, c in T.Parallel(C, C):

@@ -139,7 +139,8 @@ def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: f
     """(chunks per segment, waves) for the forward's wide route where one program per (sequence, head) fills
     `fill` of the SMs already (wide_segment_chunks declines: no cut fits one wave) but the longest sequence keeps
     the plain pass, the same 128-column kernel, waiting: at 16/48 with 28672 + 4096 tokens 48 of its 96 programs
-    walk 448 chunks after the other 48 finished at 64 (1.57 ms, FlashQLA 1.10; H200, benchmarks/results/h200/full-results.md has it at 0.885 in waves). Every sequence
+    walk 448 chunks after the other 48 finished at 64 (1.57 ms, FlashQLA 1.10; H200; 0.885 in waves,
+    benchmarks/results/h200/full-results.md). Every sequence
     is cut at one length and the (segment, head) programs run in several waves of the SMs, one program an SM
     (the kernel's 201 KB of shared memory): at 64 chunks 384 programs in three waves, ~198 wide steps against 448.
     The cost model, in wide steps: waves * (seg + WAVE_STEP_OVERHEAD) for the segments, max(longest, total /

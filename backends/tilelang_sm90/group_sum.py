@@ -3,7 +3,7 @@ dq's [64, 128] then dk's, each in the order slot_offset gives, in S0's buffer), 
 value heads (GVA) in value head order with fp32 sums and written in the gradients' dtype at their tokens: one
 Triton launch for both. torch's reduction over the group dimension and the cast after it took 0.76 ms of the fused
 path's 4.7 at 16/32 1x32768 (both tensors; H200, per-kernel profile), ~3x what their ~0.8 GB of reads and writes
-take at the HBM's rate. At 8 warps a program it reads and writes at ~4.1 TB/s (H200, docs/performance.md: 0.198 ms at 16/32
+take at the HBM's rate. At 8 warps a program it reads and writes at ~4.1 TB/s (H200: 0.198 ms at 16/32
 1x32768, 4 warps 0.199, a grid split over dq / dk no faster)."""
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ import torch
 CHUNK = 64
 LOG_BOUND = -12.0
 # Chunks per fixed warm-up: the quick grid's gates (logsigmoid(randn), ~0.8 a token) settle in one; model-like
-# gates' median head in 2-3, their slowest in 76-175 (benchmarks/results/h200/model-gates-results.md's gates), which no short window reaches.
+# gates' median head in 2-3, their slowest in 76-175 (the bench's --gates model),
+# which no short window reaches.
 FIRST_WINDOW = 4
 
 

@@ -8,7 +8,7 @@ route's walks).
     1. chunk sums: the bound's log summed per chunk and value head (float64), each program one chunk's 64 tokens
        and one key head's group: for the flags per (segment, chunk of its fixed window) into [n_seg, window, HV];
        for the walks once per chunk-table row a walk can reach, into [n_rows, HV], which every segment of the
-       sequence reads (summed per segment instead, each segment recomputed all the chunks before it, ~n_seg / 2 times the
+       sequence reads (summed per segment instead, each recomputed all the chunks before it, ~n_seg / 2 times the
        sequence's k, 0.055 ms of 2/8 1x32768's 0.234 with 16 segments);
     2. one program per segment: the window's sums added, the test per head (the flags), or running sums over
        blocks of 64 chunks, nearest first, and the first count that settles each head (the walks).

@@ -60,7 +60,7 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
     # sm90 build left K K^T's wgmma in flight (its only wait after the loop) while the loop's predicated-off
     # prefetch zero-filled the shared-memory slot it read (a two-slot ring; TTGIR, offline build at 4 warps / 3
     # stages): dbeta and dg, its only consumers, differed between identical calls on the H200. One
-    # loop reads K once (H200, docs/performance.md: 4/8 1x8192 backward 0.652 -> 0.625 ms against a K K^T loop of its own
+    # loop reads K once (H200: 4/8 1x8192 backward 0.652 -> 0.625 ms against a K K^T loop of its own
     # beside the pipelined dW loop; 16/32 even)
     kkt = tl.zeros([64, 64], dtype=tl.float32)
     for ik in tl.static_range(0, K, BK):
