@@ -1,6 +1,6 @@
 """The backward's reverse pass at the full V = 128 columns (docs/sm90-design.md): per (sequence or segment,
-value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; the same outputs as backward_state.py (dh, dU, dV, dh0), one program per head instead of one per V
-tile.
+value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; the same
+outputs as backward_state.py (dh, dU, dV, dh0), one program per head instead of one per V tile.
 
 Per chunk, with A = s P^T dO (P = Q K^T (.) D_incl), W = (Tb diag(Gamma)) K and K^T diag(Gamma) dX = W^T dU:
 
