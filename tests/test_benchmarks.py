@@ -391,6 +391,8 @@ def test_each_kind_of_result_is_files_in_the_gpu_models_folder(tmp_path, monkeyp
 def test_committed_results_are_one_folder_per_gpu_model():
     """benchmarks/results holds a folder per GPU model and only result files in it: a kind's latest.json,
     details.json, results.md and speedup.png, and the tables derived from them."""
+    if not cli.RESULTS_DIR.is_dir():
+        pytest.skip("an installed copy without the repository's results")
     folders = [p for p in cli.RESULTS_DIR.iterdir() if p.name != "cpu"]
     assert folders and all(p.is_dir() for p in folders)
     for folder in folders:
