@@ -1,8 +1,8 @@
 """`python -m gdnkit bench ...` (also `python -m gdnkit.benchmarks ...`).
 
 Passes can run in separate invocations (compiles make a cold quick grid too long for one 10-minute
-GPU run): each run merges its rows into the results folder's latest.json, replacing rows with the
-same key and keeping the others.
+GPU run): each run merges its rows into its kind's latest.json in the GPU model's folder, replacing rows
+with the same key and keeping the others.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors-from", default=None, help="latest.json to take cached anchor rows from "
                                                         "(default: the one in --out)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/<gpu>/; "
-                                               "benchmarks/results/cpu/ on a CPU, not committed)")
+                                               "benchmarks/results/cpu/ on a CPU, not committed); the run's "
+                                               "kind (see --grid, --gates, --qk-l2norm) prefixes its files")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.add_argument("--reps", type=int, default=timing.MIN_REPS, help=f"timed repetitions (>= {timing.MIN_REPS})")
     p.add_argument("--timing", choices=("auto", "graph", "profiler"), default="auto",
@@ -75,19 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print this run's rows as JSON on stdout at the end")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--gates", choices=GATES, default=None,
-                   help="random: g = logsigmoid(randn) (FlashQLA's and FINDINGS' inputs, the default); model: "
+                   help="random: g = logsigmoid(randn) (FlashQLA's published inputs, the default); model: "
                         "gates drawn as a Qwen3-Next layer's at initialisation (slow heads decay ~1e-3 a token). "
-                        "Model-gate rows go to their own folder (<gpu>-model-gates) unless --out says otherwise")
+                        "Model-gate rows go to their own files (model-gates-latest.json, ...)")
     p.add_argument("--qk-l2norm", action="store_true",
                    help="raw q / k, normalised by every implementation in the call (use_qk_l2norm_in_kernel, as "
-                        "Qwen3.5-style layers call it); rows go to their own folder (<gpu>-qk-l2norm) unless --out "
-                        "says otherwise")
+                        "Qwen3.5-style layers call it); rows go to their own files (qk-l2norm-latest.json, ...)")
     return p
 
 
 def default_out_dir(device: torch.device) -> Path:
-    suffix = ("" if gates_kind() == "random" else f"-{gates_kind()}-gates") + ("-qk-l2norm" if qk_l2norm_on() else "")
-    return RESULTS_DIR / (gpu_slug(gpu_name(device)) + suffix)
+    """One folder per GPU model: every kind of result of that model lives in it, as files."""
+    return RESULTS_DIR / gpu_slug(gpu_name(device))
+
+
+def result_kind(grid_name: str) -> str:
+    """The prefix of a run's files in its folder: "" for the quick (or CPU tiny) grid with the default inputs,
+    else the grid, the gate distribution and the q / k normalisation that set it apart, e.g. "full",
+    "model-gates", "qk-l2norm", "full-model-gates". Kinds never merge into one another's rows."""
+    parts = [] if grid_name in ("quick", "tiny") else [grid_name]
+    if gates_kind() != "random":
+        parts.append(f"{gates_kind()}-gates")
+    if qk_l2norm_on():
+        parts.append("qk-l2norm")
+    return "-".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.qk_l2norm:
         os.environ[QK_L2NORM_ENV] = "1"
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    grid_name = args.grid or ("quick" if device.type == "cuda" else "tiny")
     out_dir = Path(args.out) if args.out else default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    latest_path, details_path = out_dir / "latest.json", out_dir / "details.json"
+    files = report.ResultFiles(out_dir, result_kind(grid_name))
+    latest_path, details_path = files.latest, files.details
     old_rows = report.load_json(latest_path, [])
     old_details = report.load_json(details_path, report.empty_details())
 
     if args.report_only:
-        report.write_report(out_dir, old_rows, old_details)
+        report.write_report(files, old_rows, old_details)
         print(report.short_table(old_rows, old_details))
         return 0
 
@@ -114,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown pass(es) {bad}; choose from {', '.join(PASSES)}", file=sys.stderr)
         return 2
-    grid_name = args.grid or ("quick" if device.type == "cuda" else "tiny")
     mixes = None if args.mixes is None else set(args.mixes.split(","))
     grid = grids.get_grid(grid_name).select(passes=passes, heads=_parse_heads(args.heads), mixes=mixes)
     if not grid.points:
@@ -130,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    log_path = out_dir / f"run-{'-'.join(passes)}.log"
-    log_file = open(log_path, "w")
+    log_file = open(files.log(passes), "w")
 
     def log(msg: str) -> None:
         log_file.write(msg.rstrip("\n") + "\n")
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     outcome = run_grid(cfg)
     rows = persist(outcome)
     details = report.load_json(details_path, report.empty_details())
-    report.write_report(out_dir, rows, details)
+    report.write_report(files, rows, details)
     log(f"done in {time.monotonic() - t0:.1f} s: {len(outcome.rows)} rows, "
         f"{sum(e['status'] == 'failed' for e in outcome.events)} failures")
     log_file.close()
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(outcome.rows)} rows, {n_fail} failed, "
           f"{sum(e['status'] == 'unsupported' for e in outcome.events)} unsupported"
           f"{'; stopped early: ' + outcome.stopped_early if outcome.stopped_early else ''}; "
-          f"{time.monotonic() - t0:.0f} s; results in {out_dir}")
+          f"{time.monotonic() - t0:.0f} s; results in {files.results}")
     for name, why in outcome.unavailable.items():
         print(f"  not run: {name}: {why[:200]}")
     for e in outcome.events:

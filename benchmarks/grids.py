@@ -13,7 +13,7 @@ PASSES = ("fwd", "bwd", "decode")
 
 
 def seqlens_label(seqlens: tuple[int, ...]) -> str:
-    """Sequence mixes named as FINDINGS.md and FlashQLA's published table name them: "1x32768" is one
+    """Sequence mixes named as FlashQLA's published table names them: "1x32768" is one
     sequence of 32768 tokens, "4096x8" is eight sequences of 4096 (length x count), and unequal
     lengths read "28672+4096"."""
     if len(seqlens) == 1:
@@ -100,7 +100,7 @@ def random_split(total: int, n: int, seed: int = 42) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-# quick: the anchor table of ../shared/notes/FINDINGS.md, small enough for one cold 10-minute GPU
+# quick: the points of FlashQLA's published anchor table, small enough for one cold 10-minute GPU
 # run per pass group (FlashQLA's TileLang forward compiles ~60-80 s per (H, HV), backward ~4 min).
 QUICK_FWD_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64))
 QUICK_FWD_MIXES = ([32768], [2048], [4096] * 8)

@@ -1,4 +1,4 @@
-"""Inputs exactly as the anchor numbers in ../shared/notes/FINDINGS.md were measured.
+"""Inputs exactly as FlashQLA's published anchor numbers were measured.
 
 bf16 q/k/v with K = V = 128; q and k L2-normalised before the call (not in the kernel); g =
 logsigmoid(randn) and beta = sigmoid(rand), both fp32; sequences packed along T with cu_seqlens

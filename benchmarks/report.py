@@ -1,21 +1,45 @@
-"""What a run leaves in its results folder, and how runs merge.
+"""What a run leaves in its GPU model's results folder, and how runs merge.
 
-  latest.json   the rows (exactly the issue's schema), merged over runs: a new run's row replaces the
+  latest.json   the rows (see ROW_FIELDS in runner.py), merged over runs: a new run's row replaces the
                 row with the same (pass, H, HV, seqlens, B, impl), every other row is kept
   details.json  per-row extras (timing method, spread, fwd/fwd+bwd split, decode bandwidth, output
                 difference vs the first implementation), failures and skips, and the runs' commands
   results.md    the tables: kernel time, speedups over FLA and FlashQLA, accuracy, eager, memory
   speedup.png   speedup over FLA per grid point
-  command.txt   the command lines that produced the rows still in latest.json
+  run-<passes>.log  the last run's log (not committed)
+
+One folder per GPU model holds every kind of result: the quick grid with the default inputs under the names
+above, another kind (the full grid, model gates, raw q/k) under the same names prefixed with the kind
+("full-latest.json", "model-gates-results.md"); see ResultFiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from pathlib import Path
 
 from .runner import key_str, row_key, sort_rows
+
+@dataclasses.dataclass(frozen=True)
+class ResultFiles:
+    """The files of one kind of result inside a GPU model's folder: kind "" names them latest.json, details.json,
+    results.md, speedup.png; kind "full" names them full-latest.json, full-details.json, ..."""
+    folder: Path
+    kind: str = ""
+
+    def path(self, name: str) -> Path:
+        return self.folder / (f"{self.kind}-{name}" if self.kind else name)
+
+    latest = property(lambda self: self.path("latest.json"))
+    details = property(lambda self: self.path("details.json"))
+    results = property(lambda self: self.path("results.md"))
+    chart = property(lambda self: self.path("speedup.png"))
+
+    def log(self, passes: list[str]) -> Path:
+        return self.path(f"run-{'-'.join(passes)}.log")
+
 
 ANCHOR_FLA = "fla"
 ANCHOR_QLA = "flashqla"
@@ -251,11 +275,6 @@ def markdown(rows: list[dict], details: dict) -> str:
     return "\n".join(out)
 
 
-def command_text(details: dict) -> str:
-    return "".join(f"# {r.get('date')} {r.get('gpu')} run {r.get('id')}\n{r.get('command')}\n"
-                   for r in details.get("runs", []))
-
-
 # -- chart ---------------------------------------------------------------------------------------
 def chart(rows: list[dict], path: Path) -> bool:
     """Speedup over FLA per grid point, one panel per pass. Returns False when nothing to draw."""
@@ -313,14 +332,13 @@ def chart(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def write_report(out_dir: Path, rows: list[dict], details: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.md").write_text(markdown(rows, details))
-    (out_dir / "command.txt").write_text(command_text(details))
+def write_report(files: ResultFiles, rows: list[dict], details: dict) -> None:
+    files.folder.mkdir(parents=True, exist_ok=True)
+    files.results.write_text(markdown(rows, details))
     try:
-        chart(rows, out_dir / "speedup.png")
+        chart(rows, files.chart)
     except Exception as exc:  # a chart must never cost the measured numbers
-        (out_dir / "chart_error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
+        files.path("chart_error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
 
 
 def short_table(rows: list[dict], details: dict, points: set | None = None) -> str:

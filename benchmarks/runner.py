@@ -126,27 +126,22 @@ def _closures(impl: Impl, point: Point, sets: list[ChunkInputs]) -> dict[str, li
     """What is timed, per input set. fwd: forward without autograd. bwd: forward with autograd
     ("fwd_train", the forward that precedes a backward) and forward+backward ("fwdbwd"); the
     backward's time is their difference. decode: one recurrent step with a state."""
-    if point.pass_ == "fwd":
-        def fwd(inp):
-            def fn():
-                with torch.no_grad():
-                    return impl.chunk(inp)[0]
-            return fn
-        return {"main": [fwd(s) for s in sets]}
-    if point.pass_ == "bwd":
-        def fwd_train(inp):
-            def fn():
-                with torch.enable_grad():
-                    return impl.chunk(inp)[0]
-            return fn
+    def forward(inp, grad: bool):
+        def fn():
+            with torch.set_grad_enabled(grad):
+                return impl.chunk(inp)[0]
+        return fn
 
+    if point.pass_ == "fwd":
+        return {"main": [forward(s, False) for s in sets]}
+    if point.pass_ == "bwd":
         def fwdbwd(inp):
             def fn():
                 with torch.enable_grad():
                     o = impl.chunk(inp)[0]
                     return torch.autograd.grad(o, inp.leaves(), inp.do)
             return fn
-        return {"main": [fwdbwd(s) for s in sets], "fwd_train": [fwd_train(s) for s in sets]}
+        return {"main": [fwdbwd(s) for s in sets], "fwd_train": [forward(s, True) for s in sets]}
 
     def dec(inp):
         def fn():
@@ -176,8 +171,8 @@ def _open_matmul_workspaces(device: torch.device) -> None:
     """cuBLAS keeps a workspace per handle, one handle per thread, from its first matmul on (memory_allocated
     counts them: 32 MiB for the main thread's on the H200). The float64 reference's first forward and backward
     (the autograd engine's thread) made them in the middle of the first point, so every row after that point's
-    first implementation carried 64 MiB in its peak and that one did not (session 9: 4/8 1x8192's gdnkit row
-    over FLA's for that alone). Made here, on both threads, every row carries them."""
+    first implementation carried 64 MiB in its peak and that one did not (4/8 1x8192's gdnkit row
+    was over FLA's for that alone). Made here, on both threads, every row carries them."""
     if device.type != "cuda":
         return
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):

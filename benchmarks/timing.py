@@ -7,7 +7,7 @@ median of >= 20 samples. Small problems whose inputs would sit in L2 are rotated
 independent input sets (`fns`, one closure per set) so repeated calls do not measure the cache.
 
 Eager wall time: host clock around one call plus a synchronize, median over calls: what a user who
-calls the op from Python pays, host overhead included (FINDINGS: ~1 ms per FLA call on the H200).
+calls the op from Python pays, host overhead included (~1 ms per FLA call on the H200).
 
 On a CPU (the tiny grid) kernel time is the host wall time of the call: there is nothing else.
 """
@@ -178,7 +178,7 @@ def _device_events(prof) -> list:
 
 
 def _profiled_per_call(fns: Sequence[Fn], device, reps: int) -> tuple[list[float], str]:
-    """Device time (ms) of each of `reps` calls, from one torch.profiler session.
+    """Device time (ms) of each of `reps` calls, from one torch.profiler run.
 
     Kernels are attributed to calls by time, not by the CPU op tree: backward kernels are launched
     from autograd's own thread and would escape a record_function on the calling thread. Each call
@@ -230,7 +230,7 @@ def group_stages(events: list[tuple[str, float]], calls: int, width: int = 80) -
 
 def stage_times(fns: Sequence[Fn], device, reps: int = MIN_REPS) -> dict[str, float]:
     """Where a call's device time goes: ms per call of each kernel (copies and memsets included), from one
-    profiler session over `reps` calls. Empty off CUDA."""
+    profiler run over `reps` calls. Empty off CUDA."""
     if not _is_cuda(device):
         return {}
     from torch.profiler import ProfilerActivity, profile

@@ -1,7 +1,7 @@
 """Compile every implementation's kernels for a grid in parallel worker processes, before timing.
 
 A TileLang anchor compiles its kernel family once per (H, HV): about a minute forward and four
-backward on the H200 (FINDINGS.md), serially in one process, which alone overruns a 10-minute GPU
+backward on the H200, serially in one process, which alone overruns a 10-minute GPU
 run for the quick grid. The GPU machine has 16 CPU cores, so each (implementation, pass, head
 config) compiles in its own process: the shared on-disk caches (TILELANG_CACHE_DIR,
 TRITON_CACHE_DIR) fill in about the time of the slowest job, and the timing process then loads
@@ -24,7 +24,7 @@ def jobs_of(grid: Grid, impl_names: list[str], cached: Callable[[str, Point], bo
     """(impl, pass, H, HV, points) per warm-up job, longest compiles (backward) first. `cached(impl, point)`
     says a point will not be measured (an anchor row reused from an earlier run): it needs no compile. A job that
     measures also runs the accuracy check's small varlen problem (grid.accuracy_seqlens) of its pass and head
-    config, which may take other kernels (gdnkit's staged backward; H200 session 27: compiled in the timing
+    config, which may take other kernels (gdnkit's staged backward: compiled in the timing
     process, they took a 110 s budget's last three points)."""
     jobs = []
     for pass_ in ("bwd", "fwd", "decode"):

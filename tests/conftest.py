@@ -68,7 +68,7 @@ def poisoned_empty(monkeypatch):
 @pytest.fixture
 def bf16_interpreter(monkeypatch):
     """Makes the Triton interpreter compute bfloat16 as a GPU does, so CPU runs can check the bf16 path:
-    its tl.dot multiplies bf16 operands' raw uint16 bits (garbage; ../shared/notes/FINDINGS.md), and its
+    its tl.dot multiplies bf16 operands' raw uint16 bits (garbage: the interpreter does not round them), and its
     fp32 -> bf16 cast truncates where the GPU rounds to nearest even. Patched here: dot operands widened to
     fp32 (exact, as tensor cores multiply bf16), the cast rounded by torch. Nothing to do on a GPU."""
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -134,7 +134,7 @@ def test_gates_random_keep_the_recipe_and_model_gates_decay_slowly(monkeypatch):
     assert torch.equal(m.q, a.q) and torch.isfinite(m.g).all() and (m.g <= 0).all()
     rate = -m.g[0].mean(0)                       # per value head, per token
     assert rate.min() < 0.02 and rate.max() > 0.1 and -a.g.mean() > 0.5
-    assert cli.default_out_dir(torch.device("cpu")).name == "cpu-model-gates"
+    assert cli.result_kind("quick") == "model-gates" and cli.default_out_dir(torch.device("cpu")).name == "cpu"
     monkeypatch.setenv(inputs.GATES_ENV, "uniform")
     with pytest.raises(ValueError, match="GDNKIT_BENCH_GATES"):
         inputs.make_point_inputs(p, "cpu")
@@ -153,7 +153,7 @@ def test_qk_l2norm_option_draws_raw_qk_that_every_call_normalises(monkeypatch):
     assert raw.q.float().norm(dim=-1).std() > 0.1
     assert torch.allclose(torch.nn.functional.normalize(raw.k.float(), dim=-1), plain.k.float(), atol=1e-2)
     assert torch.equal(raw.v, plain.v) and torch.equal(raw.g, plain.g)
-    assert cli.default_out_dir(torch.device("cpu")).name == "cpu-qk-l2norm"
+    assert cli.result_kind("quick") == "qk-l2norm" and cli.default_out_dir(torch.device("cpu")).name == "cpu"
     (ours,) = impls.resolve("gdnkit:reference", "cpu")
     o_raw = ours.chunk(raw)[0]
     (ref_raw,) = runner.accuracy.reference_outputs(raw, "fwd")
@@ -343,8 +343,8 @@ def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
     argv = ["--grid", "tiny", "--device", "cpu", "--heads", "1x2", "--out", str(out), "--no-progress",
             "--passes", "fwd,decode"]
     assert cli.main(argv) == 0
-    for name in ("latest.json", "details.json", "results.md", "speedup.png", "command.txt", "run-fwd-decode.log"):
-        assert (out / name).is_file(), name
+    assert sorted(p.name for p in out.iterdir()) == ["details.json", "latest.json", "results.md",
+                                                     "run-fwd-decode.log", "speedup.png"]
     rows = json.loads((out / "latest.json").read_text())
     assert {(r["pass"], r["seqlens"]) for r in rows} == {("fwd", "1x64"), ("fwd", "5+27+1"), ("decode", "1x2")}
     for r in rows:
@@ -352,7 +352,7 @@ def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["impl"] == "gdnkit:reference" and r["gpu"] == "cpu" and r["anchor_same_run"] is False
         # bf16 inputs and output: the error is the output's rounding, ~2e-3, never NaN
         assert r["rel_err_vs_ref"] is not None and r["rel_err_vs_ref"] < 5e-3
-    assert "--heads 1x2" in (out / "command.txt").read_text()
+    assert "--heads 1x2" in json.loads((out / "details.json").read_text())["runs"][0]["command"]
     printed = capsys.readouterr().out
     assert "gdnkit:reference ms" in printed  # the short table comes last
 
@@ -368,6 +368,37 @@ def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
     assert extras["fwdbwd_ms"] > extras["fwd_train_ms"] and bwd["kernel_ms"] == pytest.approx(
         extras["fwdbwd_ms"] - extras["fwd_train_ms"])
     assert cli.main(["--out", str(out), "--report-only"]) == 0
+
+
+def test_each_kind_of_result_is_files_in_the_gpu_models_folder(tmp_path, monkeypatch):
+    """One folder per GPU model; the full grid, model gates and raw q / k write their own prefixed files beside
+    the quick grid's, never into its rows."""
+    monkeypatch.delenv(inputs.GATES_ENV, raising=False)
+    monkeypatch.delenv(inputs.QK_L2NORM_ENV, raising=False)
+    assert cli.result_kind("quick") == cli.result_kind("tiny") == ""
+    assert cli.result_kind("full") == "full"
+    monkeypatch.setenv(inputs.GATES_ENV, "model")
+    assert cli.result_kind("quick") == "model-gates"
+    monkeypatch.setenv(inputs.QK_L2NORM_ENV, "1")
+    assert cli.result_kind("full") == "full-model-gates-qk-l2norm"
+    files = report.ResultFiles(tmp_path, "full")
+    assert (files.latest.name, files.details.name, files.results.name, files.chart.name) == (
+        "full-latest.json", "full-details.json", "full-results.md", "full-speedup.png")
+    assert report.ResultFiles(tmp_path).latest == tmp_path / "latest.json"
+    assert cli.default_out_dir(torch.device("cpu")) == cli.RESULTS_DIR / "cpu"
+
+
+def test_committed_results_are_one_folder_per_gpu_model():
+    """benchmarks/results holds a folder per GPU model and only result files in it: a kind's latest.json,
+    details.json, results.md and speedup.png, and the tables derived from them."""
+    if not cli.RESULTS_DIR.is_dir():
+        pytest.skip("an installed copy without the repository's results")
+    folders = [p for p in cli.RESULTS_DIR.iterdir() if p.name != "cpu"]
+    assert folders and all(p.is_dir() for p in folders)
+    for folder in folders:
+        for p in folder.iterdir():
+            assert p.is_file() and p.suffix in (".json", ".md", ".png", ".log"), p
+        assert {"latest.json", "details.json", "results.md", "speedup.png"} <= {p.name for p in folder.iterdir()}
 
 
 def test_first_call_table_takes_the_newest_run():

@@ -32,21 +32,16 @@ PACKAGE_SETS = {
 # to selection logic or a backend's supports() that strands a generation shows up here. Every CUDA GPU
 # of compute capability 8.0+ with triton gets triton_generic, training included; without triton, and on a
 # CPU, the reference runs. On Hopper with tilelang, inference and training go to tilelang_sm90.
-_BY_MACHINE = {
-    ("ampere_sm80", "none"): "reference", ("ampere_sm80", "triton"): "triton_generic",
-    ("ampere_sm80", "triton+tilelang"): "triton_generic",
-    ("ampere_sm86", "none"): "reference", ("ampere_sm86", "triton"): "triton_generic",
-    ("ampere_sm86", "triton+tilelang"): "triton_generic",
-    ("ada_sm89", "none"): "reference", ("ada_sm89", "triton"): "triton_generic",
-    ("ada_sm89", "triton+tilelang"): "triton_generic",
-    ("hopper_sm90", "none"): "reference", ("hopper_sm90", "triton"): "triton_generic",
-    ("hopper_sm90", "triton+tilelang"): "tilelang_sm90",
-    ("blackwell_sm100", "none"): "reference", ("blackwell_sm100", "triton"): "triton_generic",
-    ("blackwell_sm100", "triton+tilelang"): "triton_generic",
-    ("blackwell_sm120", "none"): "reference", ("blackwell_sm120", "triton"): "triton_generic",
-    ("blackwell_sm120", "triton+tilelang"): "triton_generic",
-    ("cpu", "none"): "reference", ("cpu", "triton"): "reference", ("cpu", "triton+tilelang"): "reference",
+_BY_GENERATION = {  # the backend with: no compiler package, triton, triton + tilelang (PACKAGE_SETS' order)
+    "ampere_sm80": ("reference", "triton_generic", "triton_generic"),
+    "ampere_sm86": ("reference", "triton_generic", "triton_generic"),
+    "ada_sm89": ("reference", "triton_generic", "triton_generic"),
+    "hopper_sm90": ("reference", "triton_generic", "tilelang_sm90"),
+    "blackwell_sm100": ("reference", "triton_generic", "triton_generic"),
+    "blackwell_sm120": ("reference", "triton_generic", "triton_generic"),
+    "cpu": ("reference", "reference", "reference"),
 }
+_BY_MACHINE = {(gen, pkgs): row[i] for gen, row in _BY_GENERATION.items() for i, pkgs in enumerate(PACKAGE_SETS)}
 EXPECTED = {**{(gen, pkgs, "inference"): backend for (gen, pkgs), backend in _BY_MACHINE.items()},
             # training goes where inference does (tilelang_sm90 has its backward on Hopper)
             **{(gen, pkgs, "training"): backend for (gen, pkgs), backend in _BY_MACHINE.items()}}

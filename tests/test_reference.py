@@ -104,7 +104,7 @@ def test_flags_equal_doing_it_by_hand(T, l2, gate_on, dt_bias, sigmoid, neg, v_f
 
 
 def test_chunk_trace_intermediates_are_consistent():
-    """The exposed intermediates satisfy their defining equations (ALGORITHM.md, section 2)."""
+    """The exposed intermediates satisfy their defining equations (docs/algorithm.md, section 2)."""
     x = make_inputs(1, 150, 1, 1, 8, 8, seed=3)
     q, k, v, g, beta = (x[n] for n in ("q", "k", "v", "g", "beta"))
     o, s, trace = chunked_gdn(q, k, v, g, beta, 0.5, x["initial_state"])

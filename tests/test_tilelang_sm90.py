@@ -11,6 +11,7 @@ import functools
 import inspect
 import re
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -65,8 +66,8 @@ def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
 # What one block may use on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / H200: 227 KB), and what a kernel
 # with static mbarriers takes besides its dynamic buffer: the barriers padded to that buffer's 1 KB alignment, plus
 # the 1 KB the driver reserves per block (cuobjdump -res-usage reads SHARED:2048 for chunk_grads). A kernel past the
-# sum compiles, then fails at launch ("Failed to set the allowed dynamic shared memory size"): session 8 met
-# 232704 and 232448 bytes that way on the H200.
+# sum compiles, then fails at launch ("Failed to set the allowed dynamic shared memory size"): 232704 and
+# 232448 bytes failed that way on the H200.
 SM90_BLOCK_SHARED = 232448
 STATIC_SHARED = 2048
 SM90_SM_SHARED = 233472   # what the blocks resident on one SM share (228 KB)
@@ -118,7 +119,7 @@ def _barriers_under_thread_subsets(src: str) -> list[str]:
     """Lines of the generated CUDA where a barrier waits for threads that never come: a named barrier
     (__sync_thread_partial, a role's own) inside a branch only some of the role's threads take (a thread-index
     test, an elected thread), or a block barrier (__syncthreads) inside any thread branch, roles' included. The
-    backward state pass hung on the H200 the first way (session 5: a (C,) fragment made a (C, K) loop run on one
+    backward state pass hung on the H200 the first way (a (C,) fragment made a (C, K) loop run on one
     64-thread replica around a 128-thread barrier)."""
     # per open brace: 0 no thread condition, 1 a role's branch, 2 a subset of a role
     stack, bad = [], []
@@ -195,14 +196,26 @@ def test_recompute_with_x_compiles_to_wgmma_and_tma(H, HV, dtype, bv, chained):
     assert "tma_store(hs_desc" in without and "o_desc" not in without
 
 
+def _ptxas_report(source: str, workdir: Path) -> str:
+    """ptxas' -v report (registers, spills) of a TileLang kernel source compiled for sm_90a with TileLang's own
+    nvcc flags and --use_fast_math, as TileLang compiles a kernel with TL_ENABLE_FAST_MATH."""
+    from tilelang.contrib.nvcc import default_compile_options, find_cuda_path
+    nvcc = shutil.which("nvcc") or str(Path(find_cuda_path()) / "bin" / "nvcc")
+    cu = workdir / "kernel.cu"
+    cu.write_text(source)
+    done = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-Xptxas", "-v", *default_compile_options(),
+                           "--use_fast_math", "-o", str(workdir / "kernel.cubin"), str(cu)],
+                          capture_output=True, text=True, check=True)
+    return done.stderr
+
+
 @pytest.mark.parametrize("H,HV,dtype,chained", [(16, 32, "bfloat16", True), (4, 8, "float16", False)])
 def test_recompute_two_an_sm_fits_an_sm_twice(H, HV, dtype, chained):
-    """The fused backward's recompute at two programs an SM (per_sm=2, 64 columns, session 33): launched for two
+    """The fused backward's recompute at two programs an SM (per_sm=2, 64 columns): launched for two
     blocks an SM, so ptxas holds it to 80 registers at launch without spills; two blocks' shared memory fits one
     SM; X is made in V's stage tile and leaves from there by TMA (no X hand-over tile), beside S0 from its slot, the
     two stores waited for once; the chain's three products as at one program an SM."""
     _tilelang()
-    from gdnkit.benchmarks.sass_roles import cubin
     options = dict(has_initial_state=True, store_final_state=False, block_v=64, stages=2, store_states=True,
                    emit_output=False, chained=chained, store_x=True, per_sm=2)
     kernel = _kernel("state_output_ws", H, HV, dtype, **options)
@@ -214,7 +227,7 @@ def test_recompute_two_an_sm_fits_an_sm_twice(H, HV, dtype, chained):
     assert src.count("wgmma_ss<") == 3
     assert 2 * (_dynamic_shared_bytes(kernel) + STATIC_SHARED) <= SM90_SM_SHARED
     with tempfile.TemporaryDirectory() as tmp:
-        report = cubin(src, Path(tmp), fast_math=True)[1]
+        report = _ptxas_report(src, Path(tmp))
     used = re.search(r"Used (\d+) registers", report)
     assert used and int(used.group(1)) <= 80 and "0 bytes spill stores" in report, report
 
@@ -332,8 +345,8 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "mma_sync" not in src
-    # owner 2, x 8 (dX twice; X comes from the recompute), p 5 (K K^T again; dq's dPD K since session 25, its
-    # column-term products gone), g 6 (dq's dO S0^T; H K, and H^T K from the same tile, transposed)
+    # owner 2, x 8 (dX twice; X comes from the recompute), p 5 (K K^T again; dq's dPD K; no
+    # column-term products), g 6 (dq's dO S0^T; H K, and H^T K from the same tile, transposed)
     assert src.count("wgmma_ss<") == 21
     # K lands on a barrier of its own, each role waiting for it once before its first product with K
     assert src.count("k_loaded[0].wait(") == 4 and src.count("k_loaded[0].arrive()") == 2
@@ -347,7 +360,7 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     # dq term and dk, p's read of that term and its dq
     assert src.count("*(uint4*)(dqk + ") == 4 and "*(uint1*)(dqk + " not in src
     # a barrier in every step only of the owner's in-place scaling of dO (x's and p's passes compute in their
-    # fragments and write their tiles by stmatrix: session 17 took 64 such barriers a chunk off x's chain)
+    # fragments and write their tiles by stmatrix: 64 such barriers a chunk would sit on x's chain)
     assert _element_loops_with_barriers(src) == 1 and src.count("stmatrix") >= 10
     for n in (bf.OWNER_REGS, bf.X_REGS, bf.P_REGS, bf.G_REGS):   # raised above the launch's 128 a thread, or lowered
         assert f"reg_{'alloc' if n > 128 else 'dealloc'}<{n}>" in src
@@ -366,8 +379,9 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
 def test_fused_backward_rule_and_its_switch(monkeypatch):
     """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
     FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
-    longer than the SMs' even share; the staged one elsewhere (points of sessions 18 and 22's measurements, each
-    on the side that measured faster), and the staged one where the forward kept S0. GDNKIT_SM90_FUSED_BACKWARD=1 / 0
+    longer than the SMs' even share; the staged one elsewhere (points of benchmarks/results/h200/backward-paths.md,
+    each on the side that measured faster), and the staged one where the forward kept S0.
+    GDNKIT_SM90_FUSED_BACKWARD=1 / 0
     forces one; any other value fails at import with the variable named."""
     import itertools
     import os
@@ -391,7 +405,7 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     # S0 kept by the forward (KEEP_STATES): the staged path reads it; the fused one would recompute it for X
     assert not bwd.fused_pays(saved(8192, kept=torch.empty(0)), 32, cpu)
     assert bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 8, cpu)  # 4/8: 1.02x
-    assert bwd.fused_pays(saved(8192), 8, cpu)                               # 4/8: 1.09x (session 22)
+    assert bwd.fused_pays(saved(8192), 8, cpu)                               # 4/8: 1.09x
     assert bwd.fused_pays(saved(32768), 4, cpu)                              # 2/4: 1.18x
     assert not bwd.fused_pays(saved(5239, 2953), 4, cpu)                     # 2/4: too little work (0.94x)
     assert not bwd.fused_pays(saved(205, 708, 916, 178, 247, 2985, 836, 2117), 8, cpu)  # 4/8: one long (0.62x)
@@ -504,43 +518,6 @@ def test_group_sums_take_the_qk_l2norm_backward(lengths, H, HV, dtype, form, bf1
         err = float((out[0, :valid].double() - want[:valid]).norm() / want[:valid].norm().clamp_min(1e-300))
         assert err <= bound, err
         assert not out[0, valid:].any()
-
-def test_fused_backward_sass_per_role():
-    """benchmarks/sass_roles.py cuts the fused backward's sm_90a SASS at its four setmaxnreg instructions and
-    matches each region to its role by budget (a lowering that reorders or merges the roles fails here); every
-    role issues tensor-core instructions, the owner almost no exponentials; --budgets rewrites the source's four
-    setmaxnreg calls in order."""
-    _tilelang()
-    from gdnkit.benchmarks import sass_roles
-    result = sass_roles.measure(2, 4)
-    assert [r["role"] for r in result["roles"]] == list(sass_roles.ROLES)
-    assert all(r["HGMMA"] > 0 and r["instructions"] > r["HGMMA"] for r in result["roles"])
-    owner, x, p, g = result["roles"]
-    assert owner["MUFU"] < 8 < p["MUFU"] and x["STSM"] > 0   # p's masked exp passes; x's stores by stmatrix
-    src = "a warpgroup_reg_alloc<160>(); b warpgroup_reg_dealloc<96>(); c warpgroup_reg_dealloc<120>(); " \
-          "d warpgroup_reg_dealloc<136>();"
-    assert sass_roles.with_budgets(src, [152, 120, 128, 112]) == (
-        "a warpgroup_reg_alloc<152>(); b warpgroup_reg_dealloc<120>(); c warpgroup_reg_dealloc<128>(); "
-        "d warpgroup_reg_dealloc<112>();")
-    with pytest.raises(ValueError):
-        sass_roles.with_budgets(src, [512])
-
-
-def test_fused_backward_trace_stamps_every_role():
-    """benchmarks/trace_fused.py's stamped copy of the fused backward compiles for sm_90a with one clock64 read per
-    event it names (each event's line found once in its role: a kernel edit that moves one fails here first), and
-    its summary takes each event's clocks from the owner's landed of the same chunk."""
-    _tilelang()
-    from gdnkit.benchmarks import trace_fused as tf
-    src = tf.compile_stamped(2, 4, "bfloat16", True, True, chunks=4).get_kernel_source()
-    assert src.count("clock64()") == sum(len(events) for events in tf.EVENTS.values())
-    stamps = torch.full((1, 1, 4, 3, tf.N_EVENTS), -1, dtype=torch.int64)
-    stamps[0, 0, :, :, 0] = torch.tensor([0, 1000, 2500])                   # every role lands with the owner
-    stamps[0, 0, 3, :, 1] = torch.tensor([10, 1100, 2620])                  # g's second event
-    summary = tf.summarize(stamps)
-    assert summary["step"] == 1500 and summary["events"]["g.dk_first"] == 110
-    assert summary["events"]["x.landed"] == 0 and summary["events"]["p.gp_ready"] is None
-
 
 @pytest.mark.parametrize("H,HV,dtype", [(4, 8, "float16")])
 def test_chunk_grads_compiles_to_wgmma_and_tma(H, HV, dtype):
@@ -1702,7 +1679,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     (2, 8, [8192], 32),         # the shortest segment allowed: 4 segments
     (2, 8, [2048], None),       # 32 chunks: one segment would be the whole sequence
     (2, 8, [512], None),        # one segment would be the whole sequence
-    (4, 16, [32768], 128),      # 64 narrowest programs: 4 segments (0.905 -> 0.757 ms, session 5)
+    (4, 16, [32768], 128),      # 64 narrowest programs: 4 segments (0.905 -> 0.757 ms)
     (8, 32, [32768], 256),      # 128 narrowest programs: 2 segments, by warm-up only
     (16, 64, [32768], None),    # 4 V tiles x 64 heads > 132: enough programs already
     (2, 8, [4096] * 8, None),
@@ -1735,7 +1712,7 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (2, 8, [2048] * 4, 8),      # 32 pairs: 4 segments each
     (4, 16, [4096] * 8, None),  # 128 pairs already fill 70% of the SMs: the wide pass without segments
     (16, 64, [4096] * 8, None),
-    # unequal sequences cut at one length: each program as long as an equal split's (session 15)
+    # unequal sequences cut at one length: each program as long as an equal split's
     (2, 8, [28672, 4096], 32),  # 14 + 2 segments x 8 heads, as 1x32768's 16
     (8, 24, [28672, 4096], 112),  # 4 + 1 segments x 24 heads: 120 programs
     (2, 8, [1024, 7168], 8),    # 2 + 14 segments
@@ -1910,11 +1887,11 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     gradient against the float64 chunked backward, with GVA; a chunk tail of 8 (one), sequences of odd and zero
     length with initial states (varlen), one long sequence in the wide route's segments, each from its dS_end by
     the gated route (segments), 16/32 without an initial state, and a training call with neither state (the
-    kernel's dS from zero, no dh0: the usual training call; added in session 15 after its last GPU run), one value
-    head a key head with an empty sequence (one-per-key-head: groups of one, session 27); and the
+    kernel's dS from zero, no dh0: the usual training call), one value
+    head a key head with an empty sequence (one-per-key-head: groups of one); and the
     same call six times, bitwise: dg's chunk-end term (the owner's and g's warpgroup reductions) is where forms that
-    moved the roles' timing went wrong from call to call, in a segment's first chunk (session 19's form D, session
-    20's ordered pairs; H200 runs, scratch/s20/dg_diff.py: six calls of the 16x32 case)."""
+    moved the roles' timing went wrong from call to call, in a segment's first chunk (K and Q in alternating
+    slots; ordered pairs of value heads; docs/performance.md)."""
     launched = _fused_backward_forced(monkeypatch)
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import forward as fwd
@@ -1969,8 +1946,8 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
 
 @pytest.mark.gpu
 def test_backward_fused_with_options(monkeypatch):
-    """The fused backward under the options' prologue (qk l2norm, whose backward runs inside the group sums since
-    session 34; the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
+    """The fused backward under the options' prologue (qk l2norm, whose backward runs inside the group sums;
+    the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
     both states: every gradient, dA_log and ddt_bias included, against autograd through the float64 reference, and
     the call twice bitwise."""
     launched = _fused_backward_forced(monkeypatch)

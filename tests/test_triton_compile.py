@@ -3,12 +3,12 @@ group sums, compile for real GPUs (sm80, sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
 ptxas), where a kernel can fail on a GPU while passing in the interpreter. Compiling needs no GPU: ptxas
-ships with triton. It runs in a subprocess because the test session's kernels are interpreter objects
+ships with triton. It runs in a subprocess because the test process's kernels are interpreter objects
 (conftest sets TRITON_INTERPRET=1 on machines without CUDA before they are defined).
 
 The kernels with software-pipelined loops are also built for sm90 at the launch table's settings, and their
 TTGIR is read for an asynchronous wgmma still reading a shared-memory slot that its loop's own prefetch
-refills. Triton 3.6 built backward_wy that way (session 9): K K^T was issued asynchronously after the loop's
+refills. Triton 3.6 built backward_wy that way: K K^T was issued asynchronously after the loop's
 last wait, over a two-slot ring that the loop's prefetch (predicated off, but a predicated-off cp.async still
 zero-fills its slot) wrote in the same iteration; on the H200 dbeta and dg, its only consumers, differed
 between identical calls. No test of results can see that on a CPU; the TTGIR shows it."""
@@ -213,7 +213,7 @@ def races(ttgir: str, stages: int) -> list[str]:
     return sorted(set(found))
 
 
-def test_the_race_check_finds_the_session_9_race():
+def test_the_race_check_finds_the_backward_wy_race():
     """The check against the TTGIR pattern it exists for (the shape of Triton 3.6's old backward_wy loop), and
     against the pipeliner's own scheme (two products kept in flight over three-slot rings), which is safe."""
     racy = """

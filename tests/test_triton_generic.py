@@ -199,8 +199,8 @@ def test_context_parallel_varlen_v_first():
 def test_bf16_through_the_patched_interpreter(bf16_interpreter):
     # the GPU's dtype on the CPU (conftest.bf16_interpreter): the GPU tests' bars, on bf16-rounded inputs so
     # the error is the kernels' own. The patched interpreter gives the H200's dq / dk / dv errors to three
-    # digits on test_gpu_quick_heads_gradients_bf16[8-32]'s input, but dg 2.7e-3 where the H200 gives 1.06e-2
-    # (benchmarks/JOURNAL.md, session 7): that loss is the GPU build's, not the algebra's.
+    # digits on test_gpu_quick_heads_gradients_bf16[8-32]'s input, but dg 2.7e-3 where the H200 gave 1.06e-2
+    # before the backward's recompute split U' (docs/performance.md): that loss is the GPU build's, not the algebra's.
     call = _bf16_rounded(make_call(200, 1, 2, 32, 32, lengths=[1, 64, 135]))
     o_ref, ht_ref, g_ref, do, dht = reference(call)
     o, ht, grads = run_backend(call, torch.bfloat16, do, dht)
@@ -259,7 +259,7 @@ class _Bounds:
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks addresses inside the Triton interpreter")
 def test_backward_as_at_the_h200_bench_point(monkeypatch):
-    """The call that raised an illegal memory access on the H200 (2026-11-29): one packed sequence with int64
+    """The call that raised an illegal memory access on the H200 with 32-wide dot tiles: one packed sequence with int64
     cu_seqlens, K = V = 128, no initial state, no final state, dht=None, context parallel (16 segments of 8
     chunks at H=4 HV=8 x 8192 on 132 SMs), output fused forward, unfused V-64 state pass backward. Scaled
     to 640 tokens and 8 SMs: the same plan with 2 segments. Every address stays in its own tensor (the
@@ -421,8 +421,8 @@ def _gradient_errors(call):
 
 
 # dA_log and ddt_bias are per-head sums of dg over every token: HV numbers, whose relative error is that of
-# a few long sums. Measured on the H200 (2026-11-29, K=256 all options): 2.2e-2 and 3.0e-2, with dg itself
-# at 9.9e-3. They get their own bound until dg's precision improves (benchmarks/JOURNAL.md).
+# a few long sums. Measured on the H200 (K=256, all options): 2.2e-2 and 3.0e-2, with dg itself
+# at 9.9e-3. They get their own bound until dg's precision improves (docs/performance.md, triton_generic).
 GRAD_BOUNDS = {"dA_log": 5e-2, "ddt_bias": 5e-2}
 
 
@@ -520,5 +520,5 @@ def test_reverse_pass_build_matches_its_arithmetic(bf16_interpreter, BV):
     want = _reverse_pass_emulated(q, k, w, gcum, do, du_local, dht, scale, H, HV)
     errs = {n: rel(a.float().cpu(), b.float().cpu()) for n, a, b in zip(("dh", "du", "dh0"), (dh, du, dh0), want)}
     # a GPU's own roundings (fp32 sums in another order, exp2.approx) flip a bf16 rounding of dU or dS_end now
-    # and then: ~5e-5 estimated; placing the roundings elsewhere (session 7's kernels) moves these by 4e-4 to 1e-3
+    # and then: ~5e-5 estimated; placing the roundings elsewhere (an earlier kernel form) moves these by 4e-4 to 1e-3
     assert all(e <= 3e-4 for e in errs.values()), errs

@@ -1,7 +1,7 @@
 """The chunked (WY/UT-transform) form of the gated delta rule, as the fast kernels compute it.
 
 Same prepared-tensor convention as recurrent.py. Every intermediate the kernels produce is returned
-in a ChunkTrace so a kernel can be checked stage by stage (ALGORITHM.md, section 2, names them).
+in a ChunkTrace so a kernel can be checked stage by stage (docs/algorithm.md, section 2, names them).
 """
 from __future__ import annotations
 

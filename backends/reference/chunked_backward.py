@@ -1,8 +1,8 @@
 """The chunked backward in the form the sm90 kernels use (Tb = T diag(beta), the new values made from X),
-in PyTorch: the stage-by-stage definition the TileLang backward (issue 6, backends/tilelang_sm90/BACKWARD.md)
+in PyTorch: the stage-by-stage definition the TileLang backward (issue 6, docs/sm90-design.md)
 is checked against, as ChunkTrace serves the forward.
 
-Per chunk, with S0 the state entering it (backends/tilelang_sm90/BACKWARD.md has the equations):
+Per chunk, with S0 the state entering it (docs/sm90-design.md has the equations):
 
     X = V - diag(Gamma) K S0,  U = Tb X,  O = s (diag(Gamma) Q S0 + P U),  P = Q K^T (.) D_incl,
     S_end = Gamma_C S0 + K^T diag(Gamma_C / Gamma) U

@@ -1,4 +1,4 @@
-"""The sm90 chunked backward (issue 6, BACKWARD.md): three TileLang launches after a training forward.
+"""The sm90 chunked backward (issue 6, docs/sm90-design.md): three TileLang launches after a training forward.
 
     state_output_ws.py every chunk's entering state S0: the forward's state pass again, built without output
                        (forward.entering_states; kept from the forward instead with forward.KEEP_STATES)
@@ -14,8 +14,9 @@ is the definition every stage is checked against.
 The fused path (_fused_grads): the reverse pass and the per-chunk gradients in one kernel, backward_fused.py,
 after the S0 recompute: dS_end, dU and dX never leave the chip; dq / dk leave it per chunk and value head, in S0's
 buffer as the kernel frees it, and are summed over each key head's group here. Where it runs in segments the
-recompute goes to a side stream beside the gated route's dS_ends (session 28). fused_pays picks it where the work
-is large and evenly spread over the programs (faster there, H200 session 18), the staged path above elsewhere;
+recompute goes to a side stream beside the gated route's dS_ends. fused_pays picks it where the work
+is large and evenly spread over the programs (faster there: benchmarks/results/h200/backward-paths.md), the staged
+path above elsewhere;
 GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
@@ -51,14 +52,15 @@ _fused_env = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "")
 if _fused_env not in _FUSED_SETTINGS:
     raise ValueError(f"GDNKIT_SM90_FUSED_BACKWARD must be 1, 0 or auto, got {_fused_env!r}")
 FUSED = _FUSED_SETTINGS[_fused_env]
-# The rule (H200, the full grid's 32 backward points with each path forced, benchmarks/JOURNAL.md session 18): the
+# The rule (H200, the full grid's 32 backward points with each path forced,
+# benchmarks/results/h200/backward-paths.md): the
 # fused path where the work is at least FUSED_MIN_WORK chunks x value heads (below, the staged path's fixed costs
 # are lower: its S0 recompute runs beside its reverse pass, the fused kernel waits for all of it) and its longest
 # program (a sequence, or a segment of the wide route's cut) at most FUSED_MAX_IMBALANCE times the SMs' even
 # share of the work (the fused kernel walks each program's chunks in series; the staged path's per-chunk kernel
 # runs every chunk at once, so one long sequence among short ones keeps only the fused kernel waiting). It picked
-# the faster path at 29 of the 32 points, the other three within 2%. Session 22 cut the fused path's segment
-# fix-ups from ~0.08 to ~0.03 ms and measured the 18 points under 4096 and at it again: the fused path now wins
+# the faster path at 29 of the 32 points, the other three within 2%. With the fused path's segment
+# fix-ups cut from ~0.08 to ~0.03 ms, a second measurement of the 18 points under 4096 and at it: the fused path wins
 # from 1024 (4/8 at 8192 tokens 1.05-1.09x, 8/16 1.22-1.25x, 2/4 at 32768 1.16-1.20x where the imbalance rule
 # lets it; 2/4 at 8192, 512-532, 0.89-0.96x but for one 1.12x): 17 of the 18 picked right.
 FUSED_MIN_WORK = 1024
@@ -142,8 +144,8 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=No
     forward's propagator), its dS at the start from a zero dS_end (F: the reverse pass per segment storing
     nothing else, ds_only), then the reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. need ([n_seg, HV]
     int32) and warm (the gated route): only the pairs need marks get P and F, the scan takes warm's dS_end
-    elsewhere, writing the others over warm (in place: where nothing is flagged the launch moves no state, session
-    33), and dh0 is left to the caller."""
+    elsewhere, writing the others over warm (in place: where nothing is flagged the launch moves no
+    state), and dh0 is left to the caller."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
     gate = open_gate(dev, HV) if need is None else need
@@ -216,7 +218,7 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: 
     None. The recompute of S0 (the forward's state pass again, forward.entering_states) does not feed the reverse
     pass, and both are chains of few programs: where both fit the SMs together at 64-wide V tiles (16/32 1x32768
     without segments: 64 + 64 CTAs on 132 SMs, one per SM each), the recompute goes to a side stream and
-    chunk_grads, the first to read S0, waits for it (H200, session 10: backward 3.66 -> 3.56 ms there). Elsewhere
+    chunk_grads, the first to read S0, waits for it (H200: backward 3.66 -> 3.49 ms there). Elsewhere
     the planned 32-wide tiles already fill the SMs, and the recompute runs just before chunk_grads, which then
     finds S0 in L2 where it fits (4/8 1x8192: 33 MB; running it first cost ~0.03 ms). hs is allocated on the
     calling stream before the fork and every use after the join is ordered behind the side stream's work, so its
@@ -355,7 +357,7 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
     """(dq, dk, dv, dg, dbeta, dh0) packed, by backward_fused.py after the S0 recompute. dq and dk leave the kernel
     per chunk and value head in S0's buffer (backward_fused.py's docstring); each key head's group is summed here,
     in value head order, while that buffer holds them: the per-value-head gradients add nothing to the backward's
-    peak (session 19's form wrote them to tensors of their own, 2 x 128 MB at 16/32 1x32768)."""
+    peak (tensors of their own would be 2 x 128 MB at 16/32 1x32768)."""
     dqk, dv, dg, dbeta, dh0, runs = _fused_kernel_outputs(problem, s, do, dht)
     if _sums_take_l2norm(problem, s):
         st = s.stash
@@ -392,9 +394,9 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream beside
     # them, its outputs allocated here before the fork and read after the join (as _recompute_beside). At one
     # program an SM the recompute held 128 SMs' registers and the route's small launches took the rest and the gaps
-    # (H200 session 28, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192,
-    # 16/32 1x32768; eager profiles then count the route's kernels over their stretched spans); at two an SM (session
-    # 33) its programs leave no SM whole for the route's 128-column pass until they end, and the backward is still
+    # (H200, bench's (fwd+bwd) - fwd: -5% / -2% / -3% / -1% at 4/8 1x8192, 4/8 1x32768, 16/32 1x8192,
+    # 16/32 1x32768; eager profiles then count the route's kernels over their stretched spans); at two an SM
+    # its programs leave no SM whole for the route's 128-column pass until they end, and the backward is still
     # 2.5-4% faster than at one
     side = _fork(dev) if seg and dev.type == "cuda" else None
     with torch.cuda.stream(side):   # None: the current stream

@@ -1,4 +1,4 @@
-"""The backward's reverse pass fused with the per-chunk gradients (BACKWARD.md, "The fused kernel"): per (sequence
+"""The backward's reverse pass fused with the per-chunk gradients (docs/sm90-design.md): per (sequence
 or segment, value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; nothing of the
 chain (dS_end, dU, dX) leaves the chip. Per chunk, from S0 and X (both from the forward's state pass run again,
 forward.entering_states_and_x), Tb, T, gamma, beta, Q, K and dO, with P = s Q K^T (.) D_incl:
@@ -31,24 +31,23 @@ Four warpgroups, each with its own register budget (setmaxnreg; OWNER_REGS ... G
                              or K, and dg
 
 The products a chunk (units of 64 x 64 x 64 MACs): owner 8, x 16 (dX twice: for the chain, then for dv's
-store), p 10 (K K^T again), g 18 (H K, and H^T K from the same tile read transposed by the tensor cores). Until
-session 25 p also made dgamma's column term as two products, s (U dO^T) (.) (K Q^T) (.) D^T, and a masked pass:
-its rows are the columns of the P (.) dP p holds for the row term (column_sums), and g made all of dq.
-Until session 23 x also made X = V - diag(Gamma) K S0 (a 4-unit product and a pass over V's tile) at each chunk's
-start, on the chain; the recompute of S0 makes X anyway and now leaves it in dV's buffer (each chunk's X is read
-by the chunk's first loads, its dV stored at the chunk's end: the same rows, one program's), so x starts at U.
-Session 15's form gave the solve's backward to p, after its P work: p then paced every chunk (clock64 trace, 16/32
-1x32768, session 16: p's last barrier ~39700 clocks into a ~49300-clock step, x idle from ~15800); all of it in x
-paced the step the same way (~45400 clocks), hence the split (JOURNAL). Single-slot tiles, each reloaded for the
+store), p 10 (K K^T again), g 18 (H K, and H^T K from the same tile read transposed by the tensor cores). dgamma's
+column term needs no products of its own (s (U dO^T) (.) (K Q^T) (.) D^T and a masked pass): its rows are the
+columns of the P (.) dP p holds for the row term (column_sums). x does not make X = V - diag(Gamma) K S0 (a 4-unit
+product and a pass over V's tile) on the chain: the recompute of S0 makes X anyway and leaves it in dV's buffer
+(each chunk's X is read by the chunk's first loads, its dV stored at the chunk's end: the same rows, one
+program's), so x starts at U. The solve's backward is split between x and p: given wholly to p, after its P work,
+p paced every chunk (clock64 trace, 16/32 1x32768: p's last barrier ~39700 clocks into a ~49300-clock step, x idle
+from ~15800); wholly in x it paced the step the same way (~45400 clocks). Single-slot tiles, each reloaded for the
 next chunk by the owner once its last readers are done (no chunk-wide barrier: the roles' tails overlap the next
 chunk's loads).
 
 dq and dk leave per chunk and value head (bf16, all 64 rows: dqk[chunk, hv] holds dq's, then dk's, each in the
-order of a [64, 128] wgmma accumulator since session 24, group_sum.slot_offset: 16-byte stores by the threads; dq's
+order of a [64, 128] wgmma accumulator, group_sum.slot_offset: 16-byte stores by the threads; dq's
 slot first holds g's term, which p reads back, and so dq is rounded to bf16 twice), the host summing
 each key head's group in a fixed order (bitwise repeatable). dqk[chunk, hv] is 32 KB, S0's size: the host
 passes S0's own buffer, each slot taken over once the chunk's S0 has landed from it (nothing reads it again), so
-the per-value-head gradients need no memory of their own (session 20: -256 MB of peak at 16/32 1x32768).
+the per-value-head gradients need no memory of their own (-256 MB of peak at 16/32 1x32768).
 
 Barriers, each completed once a chunk (ready: parity i % 2; free: the previous chunk's, parity (i % 2) ^ 1):
     loaded (the owner's loads but K's)         ds_ready (owner)  ds_free (x, g)
@@ -61,7 +60,7 @@ Barriers, each completed once a chunk (ready: parity i % 2; free: the previous c
     s0_free (g: its last product has read S0)  tb_free (x: its last product has read Tb)
     q_free (g: its dPD^T Q is done)            tot_ready (owner: Gamma_C <S0, dS_end> for g's tail; g waits
                                                for it before its own warpgroup-wide sum, the two sharing
-                                               hardware barriers 1 and 2: session 19)
+                                               hardware barriers 1 and 2)
     h_ready (x: dA (.) D in P's tile, H, and its last reads of K, T and the gates)
     tg_read (p: its last reads of T and the gates, and of beta)
     gp_ready (p: dbeta's and dgamma's terms)
@@ -82,15 +81,14 @@ THREADS = 512
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 # registers per thread of each role (setmaxnreg; a role starts at 65536 / 512 = 128 and raises or lowers it), so
-# the four sum to 512. x holds its [64, 128] accumulator or the solve's 64 x 64 one (two until session 18 moved the
-# A terms' rows to p), p two 64 x 64 ones, then K K^T beside dq's [64, 128] accumulator, g its [64, 128]
-# accumulator and a [64, 128] temporary for the row dots; session 15's split, with the solve in p, was 160 / 96 /
-# 144 / 112, session 16's 160 / 112 / 128 / 112, session 17's 160 / 112 / 120 / 120 (g paced the chunk then).
-# Session 21 (H200, backward-only profile, the three fused quick points): x, whose block ends the chunk's chain,
-# takes 8 of g's: kernel 1.548 -> 1.471 ms at 16/32 1x32768 (sass_roles: x's spill stores / loads 43 / 63 -> 25 /
-# 30). Session 25 (dq's dPD K and K K^T held in p): 160 / 96 / 144 / 112 against 160 / 112 / 136 / 104 and 160 /
-# 104 / 144 / 104, one run: kernel 1.2625 / 1.3018 / 1.3163 ms at 16/32 1x32768, 0.3257 / 0.3423 / 0.3365 at
-# 16/32 1x8192 (sass_roles, spill stores / loads: p 4 / 11, x 15 / 20, g 7 / 16 at the first)
+# the four sum to 512. x holds its [64, 128] accumulator or the solve's 64 x 64 one (the A terms' rows are p's), p two
+# 64 x 64 ones, then K K^T beside dq's [64, 128] accumulator, g its [64, 128] accumulator and a [64, 128]
+# temporary for the row dots. x, whose block ends the chunk's chain, needs more than its products' share (H200,
+# backward-only profile: taking 8 of g's, kernel 1.548 -> 1.471 ms at 16/32 1x32768, x's spill stores / loads
+# 43 / 63 -> 25 / 30 in ptxas' report). With dq's dPD K and K K^T held in p: 160 / 96 / 144 / 112 against
+# 160 / 112 / 136 / 104 and 160 / 104 / 144 / 104, one device run: kernel 1.2625 / 1.3018 / 1.3163 ms at 16/32
+# 1x32768, 0.3257 / 0.3423 / 0.3365 at 16/32 1x8192 (spill stores / loads: p 4 / 11, x 15 / 20, g 7 / 16 at the
+# first; docs/performance.md)
 OWNER_REGS, X_REGS, P_REGS, G_REGS = 160, 96, 144, 112
 
 
@@ -115,20 +113,19 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     # after its second product, issues them all: dO (its own product is dO's last reader), S0 and X (m_ready,
     # du_free, s0_free), Q (q_free), T and the gates (h_ready, tg_read: only x and p read them late), Tb
     # (tb_free), whose macro's arrival of its 128 threads closes the phase; then K (pd_free: g's products with H,
-    # p's dPD K) on a barrier of its own, k_loaded (session 24): the roles start a chunk on `loaded` and wait for K
+    # p's dPD K) on a barrier of its own, k_loaded: the roles start a chunk on `loaded` and wait for K
     # only where they first read it (x before K dS_end, p before Q K^T, g before its first row dot against K, the
     # owner before its K^T product), so x's U and the owner's hand-over of dS_end run while K, issued last, is
     # still landing. Both barriers complete once a chunk (parity i % 2); K's next load follows every role's K wait
     # of this chunk.
-    # Session 17's first form had x issue them and wait for those barriers between its own products (run A: x
-    # ~2000 clocks slower a chunk), and Q, K, T and the gates waited for a barrier of all 512 threads at the
-    # chunk's end (~3300 clocks from it to the next chunk); until session 18 T, the gates and Q waited with K for
-    # g's last products.
+    # Issued by x between its own products, they made x ~2000 clocks slower a chunk; behind a barrier of all 512
+    # threads at the chunk's end they cost ~3300 clocks from it to the next chunk; T, the gates and Q waiting with
+    # K for g's last products landed later than their readers needed (docs/performance.md, the fused kernel).
     # The tiles a program reads once (dO, S0, X, Tb and T; not Q and K, which both value heads of a key head read)
     # and dV's store carry L2's evict-first hint, so that L2 keeps what is read again: Q and K, and dq's slot, which
-    # g stores and p reads back (H200 session 36, run 6: fused kernel 338 -> 313 us at 4/8 1x32768, 95 -> 92 at 4/8
+    # g stores and p reads back (H200, docs/performance.md: fused kernel 338 -> 313 us at 4/8 1x32768, 95 -> 92 at 4/8
     # 1x8192, the same at 16/32; gradients bitwise equal). Every request added to the kernel's own has cost more
-    # than it brought: L2 prefetches of the next chunk's tiles, by lines or by bulk copies, +3% to +42% (runs 2-4)
+    # than it brought: L2 prefetches of the next chunk's tiles, by lines or by bulk copies, +3% to +42%
     once = "evict_first"
 
     def chunk_of(n_chunks, i):
@@ -214,7 +211,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
     def masked(keep, value, g_s, hi, lo):
         """value * exp(g_hi - g_lo) where keep, else 0, without a branch: the selects take cheap operands and the
         exponential runs on 0 where not kept (a select around the exponential itself is lowered to a branch per
-        element: 192 divergent regions a chunk in p, benchmarks/sass_roles.py)."""
+        element: 192 divergent regions a chunk in p's SASS)."""
         return T.if_then_else(keep, value, 0.0) * T.exp(T.if_then_else(keep, g_s[hi] - g_s[lo], 0.0))
 
     @T.macro
@@ -231,7 +228,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
         the caller adding the four warps'. Thread t holds rows t // 32 * 16 + t % 32 // 4 (+ 8) and columns
         8 n + t % 4 * 2 (+ 1): its two rows into part[t, :] (thread-local), the 8 lanes of a column summed by
         shuffles, one lane each written. TileLang's reduce_sum over dim 0 takes hardware barriers 1 and 2 and a
-        workspace shared with the owner's and g's reductions (session 19's race); this needs no barrier but p's
+        workspace shared with the owner's and g's reductions (a race, once their
+        timing moved); this needs no barrier but p's
         own (TileLang syncs p's 128 threads between the tile's writes and reads)."""
         T.clear(part)
         for r, c in T.Parallel(C, C):
@@ -361,7 +359,7 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     load_tb(a, tb_s, loaded, bos, n_chunks, hv, 0)
                     load_k(k, k_s, k_loaded, bos, n_chunks, hk, 0)
                 # dS_end's 64 KB from global memory after the first chunk's loads are issued, so the two overlap
-                # (session 28: fused kernel -0.4% to -0.7% at the quick grid's points, most where programs are short)
+                # (fused kernel -0.4% to -0.7% at the quick grid's points, most where programs are short)
                 if has_dinit:
                     T.copy(dinit[n, hv, 0:K, 0:V], dS)
                 else:
@@ -489,8 +487,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wait_wgmma(0)
                     # dA (.) D = -M T^T (.) D strictly below the diagonal (zeros above) into P's tile (M read), for
                     # p's row terms, and H = diag(beta) dA (.) D into h_s for g (and p's column terms). One
-                    # exponential an element; the row terms' products and reductions went to p in session 18 (x,
-                    # whose block here ends the chunk's chain, took them with its own K K^T until then)
+                    # exponential an element; the row terms' products and reductions are p's (x, whose
+                    # block here ends the chunk's chain, would need its own K K^T for them)
                     for r, c in T.Parallel(C, C):
                         xf2[r, c] = masked((r > c) & (r < n_valid), -xf2[r, c], g_s, r, c)
                     T.copy(xf2, p_s)
@@ -543,8 +541,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # wait for it (du_free): dbeta's term, the rows of X dU^T (.) T^T ...
                     T.barrier_wait(du_ready, ph)
                     # beta for the A terms at p's end, taken now: once p arrives at tg_read the next chunk may
-                    # land and x rewrite b_s at its start (until session 21 p read b_s there, after h_ready: dg,
-                    # and only dg, then differed from call to call where the next chunk's x got ahead of p's tail)
+                    # land and x rewrite b_s at its start (read there, after h_ready, b_s made dg, and only dg,
+                    # differ from call to call where the next chunk's x got ahead of p's tail)
                     for r in T.Parallel(C):
                         bet[r] = b_s[r]
                     T.wgmma_gemm(x_s, du_s, f2, transpose_B=True, clear_accum=True)
@@ -568,8 +566,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     store_slot(acc_p, dqk, c, hv, 0)
                     # once x has written dA (.) D and H, the A terms with K K^T: dbeta's the rows of dA (.) K K^T
                     # (.) D, dgamma's beta (.) those minus the columns of H (.) K K^T, taken as the rows of H^T (.)
-                    # K K^T (K K^T is symmetric) from H's tile read transposed. Until session 18 x took the rows
-                    # (its own K K^T) and p made H^T (T M^T again, a masked pass, its own tile for g)
+                    # K K^T (K K^T is symmetric) from H's tile read transposed. x taking the rows (its own K K^T)
+                    # and p making H^T (T M^T again, a masked pass, its own tile for g) cost more
                     T.barrier_wait(h_ready, ph)
                     T.copy(p_s, f2)
                     for r, c in T.Parallel(C, C):
@@ -592,8 +590,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                         sg_g[r] = T.if_then_else(r < n_valid, scale * T.exp(g_s[r]), 0.0)
                         eu_g[r] = T.if_then_else(r < n_valid, T.exp(g_last - g_s[r]), 0.0)
                     # dq's first term, diag(s Gamma) dO S0^T, while dS_end and U are being made; its rows (.) Q are
-                    # dgamma's O term. It leaves through dq's slot, where p adds dPD K (session 25: g made all of dq
-                    # and waited for p's dPD before dk could start; p making it all held the owner's do_read)
+                    # dgamma's O term. It leaves through dq's slot, where p adds dPD K (g making all of dq
+                    # waited for p's dPD before dk could start; p making it all held the owner's do_read)
                     T.wgmma_gemm(do_s, s0_s, acc_g, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                     T.barrier_arrive(do_read)
@@ -618,8 +616,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     # 128 threads (TileLang's AllReduce), which the owner's <S0, dS_end> reduction also takes: the
                     # owner's (this chunk's) is done once tot_ready arrives, and its next one comes after this chunk's
                     # K load, which waits for g's pd_free below. Without this wait the two could meet at those
-                    # barriers and each read the other's half-written workspace (session 19: dg off by 2e-2 in 11%
-                    # of its elements from run to run once g's timing moved)
+                    # barriers and each read the other's half-written workspace (dg was off by 2e-2 in 11% of its
+                    # elements from call to call once g's timing moved)
                     T.barrier_wait(tot_ready, ph)
                     T.reduce_sum(de_g, carry, dim=0)
                     # - diag(Gamma) dX S0^T: its rows (.) K are X's term (the rows now hold both)
@@ -640,8 +638,8 @@ def backward_fused_program(H: int, HV: int, dtype: str = "bfloat16", has_dinit: 
                     T.wgmma_gemm(h_s, k_s, acc_g, transpose_A=True)                     # + H^T K
                     T.wait_wgmma(0)
                     T.barrier_arrive(pd_free)                  # K's last reader: the next chunk's K may land
-                    # dk as dq (until session 24 by one TMA store through dX's tile, once the owner had read it:
-                    # ~2000 clocks of g's tail from gp_ready)
+                    # dk as dq (one TMA store through dX's tile, once the owner had read it, cost ~2000 clocks of
+                    # g's tail from gp_ready)
                     store_slot(acc_g, dqk, c, hv, 1)
                     T.barrier_wait(gp_ready, ph)
                     for r in T.Parallel(C):

@@ -1,4 +1,4 @@
-"""The backward's sequential pass (issue 6, BACKWARD.md), warp-specialized like state_output_ws.py: per
+"""The backward's sequential pass (issue 6, docs/sm90-design.md), warp-specialized like state_output_ws.py: per
 (sequence, value head, V tile), the chunks right to left with dS [K, BV] on chip.
 
     producer  (threads   0-127)  TMA: Q, K, Tb, dO and gamma of chunk i (counted from the end) into stage i % STAGES

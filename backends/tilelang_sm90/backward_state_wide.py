@@ -1,7 +1,6 @@
-"""The backward's reverse pass at the full V = 128 columns (BACKWARD.md, "A full-width reverse pass in three
-roles"): per (sequence or segment, value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's
-registers; the same outputs as backward_state.py (dh, dU, dV, dh0), one program per head instead of one per V
-tile.
+"""The backward's reverse pass at the full V = 128 columns (docs/sm90-design.md): per (sequence or segment,
+value head), the chunks right to left with dS [K, V] fp32 in one warpgroup's registers; the same
+outputs as backward_state.py (dh, dU, dV, dh0), one program per head instead of one per V tile.
 
 Per chunk, with A = s P^T dO (P = Q K^T (.) D_incl), W = (Tb diag(Gamma)) K and K^T diag(Gamma) dX = W^T dU:
 
@@ -20,7 +19,7 @@ Per chunk, with A = s P^T dO (P = Q K^T (.) D_incl), W = (Tb diag(Gamma)) K and 
                               done with chunk i
 
 x paces the pass: between handing dU over and the next K dS_end it makes the next chunk's A. dX and the three
-stores were x's too until session 13, whose clock64 timeline of a step (H200, 16/32 1x32768) read ~8850
+stores were x's in the first form, whose clock64 timeline of a step (H200, 16/32 1x32768) read ~8850
 clocks: x's A ~3600, K dS_end with the dh store ~2140, dU ~520, dX ~440, the dU / dV stores ~1870, while the
 side waited ~6800 of them.
 

@@ -1,4 +1,4 @@
-"""The backward's parallel part (issue 6, BACKWARD.md): per (chunk, key head), for each of the key head's value
+"""The backward's parallel part (issue 6, docs/sm90-design.md): per (chunk, key head), for each of the key head's value
 heads in turn, from the state S0 entering the chunk, its dS_end, dU and dX (backward_state.py), everything else:
 
     X  = V - diag(Gamma) K S0,  U = Tb X                       (recomputed, as the forward made them)
@@ -271,7 +271,7 @@ def chunk_grads_program(H: int, HV: int, dtype: str = "bfloat16", K: int = 128, 
             if grads_dtype == dtype and n_valid == C:
                 # a full chunk's dq and dk leave by TMA store, staged in Q's and K's tiles (dead after the last
                 # value head): per-thread stores from the accumulators took ~3900 clocks of a ~61000-clock
-                # program (clock64 timeline, H200, session 13)
+                # program (clock64 timeline, H200)
                 T.sync_threads()
                 T.copy(dq_acc, q_s)
                 T.copy(dk_acc, k_s)

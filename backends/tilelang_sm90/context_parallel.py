@@ -3,7 +3,7 @@
 The state pass runs one program per (sequence, value head, V tile), each walking its whole sequence. At
 H=2 HV=8 with one sequence of 32768 tokens that is 32 programs at the narrowest V tile, for 132 SMs. So
 the sequences are cut into segments of `seg` chunks, and the pass runs per segment with the right initial
-state (ALGORITHM.md section 4), found by one of these routes:
+state (docs/algorithm.md section 4), found by one of these routes:
 
     warm-up (warmup.py): where the gates decay, a few chunks before each segment run from a zero state give
         its initial state within e^-12 of the state's size (exact where they reach the sequence's start);
@@ -48,16 +48,16 @@ from . import warmup
 SEGMENT_CHUNKS = None
 # Below 32 chunks a segment, the kernel time gained is nil (2/8 1x2048: 0.068 ms plain, 0.066 with 8-chunk
 # segments; 1x8192: 16 and 32 chunks within 2%) while the extra launches cost ~0.6 ms of host time per
-# eager call (2/8 1x2048: 0.79 ms eager against 0.07 of device time, run 5).
+# eager call (2/8 1x2048: 0.79 ms eager against 0.07 of device time).
 MIN_SEGMENT_CHUNKS = 32
 # The wide route's floor (wide_segment_chunks). Its cost per segment is a program and a walk of a chunk or two
 # where gates settle, not a propagator and a scan step, so short sequences may take it too: 2/8 1x2048 in 16
 # segments of 2 chunks is 128 programs of ~3 wide steps, where the 64-column pass without segments walks 32
-# chunks on 16 SMs (0.051 of that point's 0.064 ms, session 13's stages). Not yet timed (session 13 ran out of
-# device time): JOURNAL has the prediction.
+# chunks on 16 SMs (0.051 of that point's 0.064 ms). Measured (H200, docs/performance.md): 1x2048
+# 0.0626 -> 0.0295 ms at 2/8, 0.0654 -> 0.0380 at 4/16.
 WIDE_MIN_SEGMENT_CHUNKS = 2
 # Only when even the narrowest V tile (32: 4 programs per sequence and head) leaves this many SMs per program,
-# i.e. at most ~half the SMs busy without it. H200, 2026-11-29 (session 5, after the row-decay and block-solve
+# i.e. at most ~half the SMs busy without it. H200 (after the row-decay and block-solve
 # changes; forward ms, plain / 64-chunk / 128-chunk segments): 4/16 1x32768 (64 narrowest programs)
 # 0.905 / 0.780 / 0.757; 8/32 1x32768 (128) 1.033 / 1.526 / 1.509. So 2: on at 64 programs, off at 128.
 SMS_PER_PROGRAM = 2
@@ -69,7 +69,7 @@ WARMUP_SMS_PER_PROGRAM = 1
 WARMUP_ROUTE = True
 # False: inference segments take the routes above at 32 / 64 columns, not the wide one (tests of those routes)
 WIDE_ROUTE = True
-# The wide pass's chunk-step over the 64-column pass's, each at one program per SM (H200, session 12: ~2.9 vs
+# The wide pass's chunk-step over the 64-column pass's, each at one program per SM (H200: ~2.9 vs
 # ~2.0 us): the wide route pays only while its longest program (own chunks + walk) takes fewer than (longest
 # sequence's chunks) / this steps (pick). With few plain programs (short sequences, few heads) the 64-column
 # step is shorter than that and the ratio flatters the wide route; not yet calibrated there.
@@ -80,7 +80,7 @@ def segment_chunks(layout: SequenceLayout, HV: int, sms: int) -> int | None:
     """Chunks per segment, or None for no context parallelism.
 
     At most sms / 2 (segment, head) pairs in all, so the output pass over segments fits one wave (at its
-    64-wide V tile: two programs per pair, one per SM). Measured on the H200 (2/8, JOURNAL.md session 3):
+    64-wide V tile: two programs per pair, one per SM). Measured on the H200 (2/8, docs/performance.md):
     more, shorter segments cost more than they give. The segment scan grows with their number while the
     propagator pass barely shrinks, and one program past the SM count starts a second wave of the output
     pass. 1x32768: 16 chunks a segment 0.83 ms, 64 chunks 0.73 ms, 57 chunks (144 programs) 0.94 ms;
@@ -99,7 +99,7 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     """Chunks per segment for the wide route (forward.py, inference and training): the chained route with one 128-column
     state-pass program per (segment, head), or None. Segments are cut where one program per (sequence, head)
     fills less than `fill` of the SMs, every sequence at one length, the shortest that keeps the (segment, head)
-    pairs within one wave (H200, session 12: the wide pass walks a chunk in ~2.7 us at 128 columns where the
+    pairs within one wave (H200: the wide pass walks a chunk in ~2.7 us at 128 columns where the
     64-column one needs ~2.0 us for half of it, and loads Q, K and Tb once per head); None where even those
     segments leave the pairs short of `fill`. Forced SEGMENT_CHUNKS leaves segmenting to the other routes (their tests)."""
     pairs = len(layout.lengths) * HV
@@ -110,14 +110,14 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: float) 
     chunks = layout.chunk_counts
     # the shortest segments whose (segment, head) programs fit one wave, every sequence cut at the same length:
     # cutting each sequence into sms // pairs pieces left unequal ones with long programs (28672 + 4096 tokens at
-    # 2/8: 56-chunk segments, 0.373 ms against 0.172 for 1x32768 in 32-chunk ones; H200, session 15's run 1)
+    # 2/8: 56-chunk segments, 0.373 ms against 0.172 for 1x32768 in 32-chunk ones; H200)
     seg = max(WIDE_MIN_SEGMENT_CHUNKS, math.ceil(sum(chunks) * HV / sms))
     while sum(-(-c // seg) for c in chunks) * HV > sms:
         seg += 1
     # where the 64-column pass without segments fills the SMs by itself (two programs per pair), the wide route
     # gains only a shorter walk, which short segments do not buy back: 16/64 1x2048 in 16-chunk segments 0.106
     # against 0.109 ms with gates that settle, 0.120 with model gates (the plain pass picked behind the pick's
-    # launches; H200, session 14's run A). Long segments there gain a third (16/64 1x32768: 1.30 against 1.55).
+    # launches; H200). Long segments there gain a third (16/64 1x32768: 1.30 against 1.55).
     if 2 * pairs >= fill * sms and seg < MIN_SEGMENT_CHUNKS:
         return None
     # sequences too short for segments that fill the SMs keep the other routes (the wide pass needs the pairs)
@@ -139,7 +139,8 @@ def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, fill: f
     """(chunks per segment, waves) for the forward's wide route where one program per (sequence, head) fills
     `fill` of the SMs already (wide_segment_chunks declines: no cut fits one wave) but the longest sequence keeps
     the plain pass, the same 128-column kernel, waiting: at 16/48 with 28672 + 4096 tokens 48 of its 96 programs
-    walk 448 chunks after the other 48 finished at 64 (1.57 ms, FlashQLA 1.10; H200, session 15). Every sequence
+    walk 448 chunks after the other 48 finished at 64 (1.57 ms, FlashQLA 1.10; H200; 0.885 in waves,
+    benchmarks/results/h200/full-results.md). Every sequence
     is cut at one length and the (segment, head) programs run in several waves of the SMs, one program an SM
     (the kernel's 201 KB of shared memory): at 64 chunks 384 programs in three waves, ~198 wide steps against 448.
     The cost model, in wide steps: waves * (seg + WAVE_STEP_OVERHEAD) for the segments, max(longest, total /
@@ -182,10 +183,10 @@ def pick(plan: SegmentPlan, walk: torch.Tensor, layout: SequenceLayout, waves: i
     program (own chunks plus walk, in wide steps, WIDE_STEP_RATIO of a 64-column step) is shorter than the longest
     sequence: with gates that settle in a chunk it is (16/64 1x32768: 257 wide steps against 512); behind heads
     that barely decay (model-like gates: 76-175 chunks to e^-12) the segments walk far and the plain pass wins
-    (16/64 1x32768: 1.90 against 1.55 ms, session 12's run H; short sequences the more: a segment may walk to
+    (16/64 1x32768: 1.90 against 1.55 ms; short sequences the more: a segment may walk to
     the sequence's start). The pass not picked runs over empty sequences; nothing is read back, so a CUDA graph
     captures both launches. One Triton launch (warmup_bound.pick_wide): the pick as torch ops and where-masks
-    cost ~20-26 us of launches (session 13's run A). waves: how many waves of the SMs the segments' programs take,
+    cost ~20-26 us of launches. waves: how many waves of the SMs the segments' programs take,
     each as long as its longest; more than one only in wide_waves_segment_chunks' domain, where the plain pass
     runs the same 128-column kernel (WAVES_STEP_RATIO), else the 64-column one (WIDE_STEP_RATIO)."""
     from .warmup_bound import pick_wide

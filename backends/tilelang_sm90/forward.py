@@ -9,13 +9,13 @@ SM count: at most three builds per key). Token count, sequence count and chunk c
 (T.dynamic) in every kernel, and `scale` is a runtime argument.
 
 The intra kernel writes Tb = T diag(beta) (64 values per token and value head) and gamma; the state pass
-makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, session 4: 16/64 1x32768 2.38 ->
+makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, docs/performance.md: 16/64 1x32768 2.38 ->
 2.16 ms against writing W and U' and reading them back). Its kernels, picked by the V tile:
 - BV = 32 / 64: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so chunk i's
   output overlaps chunk i + 1's state update. Passes that store S0 (training) always run here.
 - BV = 128 for an inference pass with one program per (sequence, head) filling >= 70% of the SMs:
   state_output_wide.py, split by product (owner of S, x making U = U' - W S, output + loads), which reads
-  Q, K and Tb once per head and keeps two products on the chain (H200, session 12, state pass ms, wide / BV 64:
+  Q, K and Tb once per head and keeps two products on the chain (H200, docs/performance.md, state pass ms, wide / BV 64:
   16/64 4096x8 0.723 / 1.045, 8/32 0.365 / 0.524, 4/16 0.185 / 0.264; with 64 programs it loses: 2/8 4096x8
   0.179 / 0.135 at BV 32, 16/64 1x32768 1.393 / 1.035).
 - BV = 128 forced (BLOCK_V) for training: state_output.py, one consumer pair on TileLang's pipeliner.
@@ -47,11 +47,11 @@ TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # V tile per program: None = plan from the SM count (_plan_state_block_v), or force 32 / 64 / 128 (tests).
 BLOCK_V = None
 WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output_ws.py)
-# its TMA ring depth per V tile (H200, run 3 of session 4, state kernel ms at 3 / 2 stages): 4/16 1x32768
+# its TMA ring depth per V tile (H200, docs/performance.md, state kernel ms at 3 / 2 stages): 4/16 1x32768
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
 WS_STAGES = {32: 3, 64: 2}
 # programs an SM of the fused backward's recompute (S0 and X, no output) at 64 columns: 2 (state_output_ws.py's
-# per_sm build, X made in V's stage tile) or 1; GDNKIT_SM90_RECOMPUTE_PER_SM sets it (session 33's A/B)
+# per_sm build, X made in V's stage tile) or 1; GDNKIT_SM90_RECOMPUTE_PER_SM sets it (for A/Bs)
 RECOMPUTE_PER_SM = int(os.environ.get("GDNKIT_SM90_RECOMPUTE_PER_SM", "2"))
 if RECOMPUTE_PER_SM not in (1, 2):
     raise ValueError(f"GDNKIT_SM90_RECOMPUTE_PER_SM must be 1 or 2, got {RECOMPUTE_PER_SM}")
@@ -65,7 +65,7 @@ TARGET_SM_FRACTION = 0.7
 # Training: the backward needs every chunk's entering state S0. Kept from the forward (KEEP_STATES), it is 512
 # bytes per token and value head in bf16 (16/32 1x32768: 537 MB per layer, alive from a layer's forward to its
 # backward, about what FLA keeps of everything else); by default the backward recomputes it with one more state
-# pass (the forward's launch, built without output: ~0.5-0.6 ms there, H200 session 6), as FLA and FlashQLA do.
+# pass (the forward's launch, built without output: ~0.3-0.6 ms there, H200), as FLA and FlashQLA do.
 KEEP_STATES = os.environ.get("GDNKIT_SM90_KEEP_STATES", "0") == "1"
 
 
@@ -95,7 +95,7 @@ def _wide_route_available() -> bool:
 
 def wide_segment_chunks(layout, HV: int, device: torch.device) -> int | None:
     """Chunks per segment of the wide route in one wave (context_parallel.wide_segment_chunks) where it can run.
-    The forward (inference and, since session 32, training) and the backward's reverse pass take it."""
+    The forward (inference and training) and the backward's reverse pass take it."""
     if _wide_route_available():
         return context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
     return None
@@ -105,7 +105,7 @@ def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int |
     """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it): the
     wide route where it applies, in one wave (wide_segment_chunks), else in several for inference only
     (context_parallel.wide_waves_segment_chunks: the backward's reverse pass has not been timed that way);
-    everything else _segment_chunks' segments. Training takes the one-wave wide route too (session 32: its
+    everything else _segment_chunks' segments. Training takes the one-wave wide route too (docs/performance.md: its
     forward is inference's, 15-45% faster than the 64-column pass it ran before at the quick points; the
     backward's recompute replays the same segments at 32 / 64 columns, entering_states_and_x)."""
     if _wide_route_available():
@@ -476,9 +476,9 @@ def entering_states_and_x(problem: Problem, s: Saved, hs: torch.Tensor, xs: torc
     sequences; both in the inputs' dtype), for the fused backward. Always the three-warpgroup kernel (a 32- or
     64-column tile, as _plan_block_v picks without BLOCK_V), the only one that stores X; also for the wide
     route's launch, whose forward ran 128 columns: a 128-column recompute (one program per segment and head) was
-    26% slower than the 64-column one at 16/32 1x32768 (0.523 against 0.416 ms, H200 session 32: each program's
-    chain, not the bytes, bounds it; JOURNAL). At 64 columns two programs share an SM (recompute_per_sm: 0.424 ->
-    0.372 ms there, H200 session 33)."""
+    26% slower than the 64-column one at 16/32 1x32768 (0.523 against 0.416 ms, H200, docs/performance.md: each
+    program's chain, not the bytes, bounds it). At 64 columns two programs share an SM (recompute_per_sm: 0.424 ->
+    0.372 ms there, H200)."""
     for launch in s.states:
         block_v = _plan_block_v(launch.n, problem.HV, s.k.device)
         block_v = block_v if block_v in WS_BLOCK_V else WS_BLOCK_V[-1]

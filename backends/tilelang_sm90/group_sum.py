@@ -2,8 +2,8 @@
 dq's [64, 128] then dk's, each in the order slot_offset gives, in S0's buffer), summed over each key head's group of
 value heads (GVA) in value head order with fp32 sums and written in the gradients' dtype at their tokens: one
 Triton launch for both. torch's reduction over the group dimension and the cast after it took 0.76 ms of the fused
-path's 4.7 at 16/32 1x32768 (both tensors; H200, session 16's stages), ~3x what their ~0.8 GB of reads and writes
-take at the HBM's rate. At 8 warps a program it reads and writes at ~4.1 TB/s (H200 session 28: 0.198 ms at 16/32
+path's 4.7 at 16/32 1x32768 (both tensors; H200, per-kernel profile), ~3x what their ~0.8 GB of reads and writes
+take at the HBM's rate. At 8 warps a program it reads and writes at ~4.1 TB/s (H200: 0.198 ms at 16/32
 1x32768, 4 warps 0.199, a grid split over dq / dk no faster)."""
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def slot_offset(r, j):
     kernel's g and p accumulators hold it in (wgmma's m64n128 layout: thread accumulator_thread(r, j), its
     value (j // 8) * 4 + r % 16 // 8 * 2 + j % 2), as [8 value blocks, 128 threads, 8 values], so that each thread
     stores 8 values at once and a warp's 32 threads 512 contiguous bytes (row-major, g made 32 stores of 4 bytes a
-    thread, ~2000 clocks of its chunk: session 23's trace). r, j: ints, tensors or TileLang's index expressions.
+    thread, ~2000 clocks of its chunk in a clock64 trace). r, j: ints, tensors or TileLang's index expressions.
     Digits of the offset, most significant first: j // 16, r // 16, r % 8, j % 8 // 2, j % 16 // 8, r % 16 // 8,
     j % 2 (sizes 8, 4, 8, 4, 2, 2, 2): _SLOT_TO_ROWS below permutes them back to r's then j's."""
     return (j // 16) * 1024 + accumulator_thread(r, j) * 8 + (j % 16 // 8) * 4 + (r % 16 // 8) * 2 + j % 2
@@ -111,7 +111,7 @@ if triton is not None:
         """One program per (run, key head, chunk w of the run): its G value heads' dq slots added in order (in
         slot_offset's order: all 64 rows are the kernel's, a tail's too), then their dk slots. w is the grid's
         slowest axis, so the launch starts with every run's first chunks: the fused kernel walks its runs right to
-        left, so those are the slots it wrote last, the ones still in L2 (H200 session 28, device time: 0.194 ->
+        left, so those are the slots it wrote last, the ones still in L2 (H200, device time: 0.194 ->
         0.186 ms at 16/32 1x32768, 0.050 -> 0.048 at 16/32 1x8192, against chunks in table order; 4/8 1x8192's
         34 MB of slots fit L2 either way)."""
         n = tl.program_id(0)

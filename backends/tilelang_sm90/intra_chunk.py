@@ -1,5 +1,5 @@
 """Per (chunk, value head), in parallel over all chunks: the state-independent half of the chunked forward
-(ALGORITHM.md section 2), as one TileLang kernel for sm90:
+(docs/algorithm.md section 2), as one TileLang kernel for sm90:
 
     gamma = chunk-local cumsum of g                          (fp32, CUDA cores)
     A     = strictly_lower( diag(beta) (K K^T (.) D) )       (K K^T on wgmma, bf16 operands, fp32 accumulator)
@@ -257,13 +257,13 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
             # ---- level 1: the 32 x 32 diagonal blocks, T32_p = [[D_2p, 0], [L_p, D_2p+1]] with
             # L_p = -D_2p+1 A_2p+1,2p D_2p (two 16 x 16 x 16 products per p, on CUDA cores). Each thread makes
             # four adjacent entries of a row, reading both operands four floats at a time: the shared-memory pipe
-            # bounds this kernel (ncu, session 13), and one product entry per thread read two floats per FMA ----
+            # bounds this kernel (ncu), and one product entry per thread read two floats per FMA ----
             _block_product(o16_s, d16_s, o16_s, tx, 1.0, row4, rhs4, p4, left_blocks=(0, 1), right_blocks=(0, 2))
             _block_product(d16_s, o16_s, o16_s, tx, -1.0, row4, rhs4, p4, left_blocks=(1, 3), right_blocks=(0, 1))
             # the 32 x 32 blocks written a row per warp: 32 lanes on 32 columns, one bank each under the tf32
             # operands' swizzle (a thread per four columns put four lanes on every bank). Every entry is read
             # before the first is written: the compiler cannot move a shared load above a shared store (one
-            # buffer), so load-store pairs ran one load latency each (ncu, session 14: ~20% of the stall samples)
+            # buffer), so load-store pairs ran one load latency each (ncu: ~20% of the stall samples)
             j = tx % H32
             for it in T.unroll(H32 * H32 // THREADS):
                 i = it * (THREADS // H32) + tx // H32

@@ -2,7 +2,7 @@
 
 Every kernel is specialised on (H, HV, dtype) and a few flags, and compiles in 2-40 s (chunk_grads the
 longest); a first training call at a new head configuration builds ~20 of them one after another (150-190 s
-on the H200's host, session 6). TileLang keeps what it builds in its on-disk cache (TILELANG_CACHE_DIR), keyed
+on the H200's host). TileLang keeps what it builds in its on-disk cache (TILELANG_CACHE_DIR), keyed
 on the kernel alone, not on the machine: so the family can be built here with nothing but nvcc, one kernel
 per process, on a machine without a GPU too, and the cache directory copied to where the GPU is.
 

@@ -1,4 +1,4 @@
-"""Context parallelism, step 1 (ALGORITHM.md section 4): every segment's state transition, in TileLang.
+"""Context parallelism, step 1 (docs/algorithm.md section 4): every segment's state transition, in TileLang.
 
 A segment of a sequence maps its initial state S_0 to its final state linearly:
 

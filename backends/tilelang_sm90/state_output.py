@@ -1,4 +1,4 @@
-"""The sequential half of the chunked forward (ALGORITHM.md section 2), fused with the output: one TileLang
+"""The sequential half of the chunked forward (docs/algorithm.md section 2), fused with the output: one TileLang
 program per (sequence, value head, V tile) walks the sequence's chunks with the state on chip:
 
     U     = Tb (V - diag(Gamma) K S)                      (C x BV; = U' - W S, Tb from intra_chunk.py)
@@ -6,7 +6,7 @@ program per (sequence, value head, V tile) walks the sequence's chunks with the 
     S_end = Gamma_C S + K^T diag(Gamma_C / Gamma) U       (= Gamma_C S + Kt^T U)
 
 S [K, BV] stays an fp32 register fragment from the first chunk to the last; each chunk rounds a bf16 copy of
-it into shared memory, the operand of K S and Q S (ALGORITHM.md section 3: this rounding is most of the
+it into shared memory, the operand of K S and Q S (docs/algorithm.md section 2, precision: this rounding is most of the
 ~3e-3 error the anchors show). The decay Gamma_C / Gamma_t is folded into U's rows (one bf16 rounding of
 the product) instead of into K, so K's TMA tile is the left operand of the state update as loaded.
 

@@ -1,11 +1,11 @@
-"""The state pass fused with the output at the full V = 128 columns, split by product (NOTES.md item 3): three
+"""The state pass fused with the output at the full V = 128 columns, split by product (docs/sm90-design.md): three
 warpgroups per (sequence or segment, value head), one program each, with the chain cut to two products a chunk.
 
 The chunk's new values U = Tb (V - diag(Gamma) K S) are written as U = U' - W S with U' = Tb V and
 W = (Tb diag(Gamma)) K: both are independent of S, so they are made for chunk i + 1 while chunk i's chain runs,
 and the serial chain per chunk is W S -> U -> K_d^T U (K_d = diag(Gamma_C / Gamma) K) -> S, two 128-deep products
 and one hand-over each way, where the Tb form needs three products and two elementwise passes in series
-(H200 clock64 trace, session 12: ~6200 clocks a chunk, of which x's K S -> X -> Tb X -> U, U_d took ~4200).
+(H200 clock64 trace: ~6200 clocks a chunk, of which x's K S -> X -> Tb X -> U, U_d took ~4200).
 
     owner    (threads   0-127)  S [K, V] fp32 in registers. Per chunk, while x works: S <- Gamma_C S and
                                 K_d into shared memory; then S += K_d^T U; hands the next chunk its bf16 S
@@ -19,7 +19,7 @@ and one hand-over each way, where the Tb form needs three products and two eleme
 
 Against state_output_ws.py (one state warpgroup per 64 columns, two programs per head): each product is issued
 once at full width, and Q, K and Tb are loaded once per head and chunk instead of twice (56 KB a chunk instead
-of 96), which is what limits 128 programs of the 64-column kernel together (~3.8 TB/s, JOURNAL session 11).
+of 96), which is what limits 128 programs of the 64-column kernel together (~3.8 TB/s, docs/performance.md).
 
 Registers: ptxas caps every role's code at 65536 / threads (168 at 384 threads; setmaxnreg only moves registers
 at run time), which is why there is no producer warpgroup: a fourth would cap the owner, whose S alone is 128
@@ -200,7 +200,7 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
                         T.wait_wgmma(0)
                         # -W stays in registers, laid out as W S's A operand (the accumulator's own layout):
                         # through shared memory its 16 KB store took ~590 clocks of x's ~5000-clock step (clock64
-                        # trace, session 12)
+                        # trace)
                         for r, c in T.Parallel(C, K):
                             w_f[r, c] = -acc_u[r, c]
                         T.wgmma_gemm(a_s[s, :, :], v_s[s, :, :], acc_u, clear_accum=True)  # U' = Tb V
@@ -248,7 +248,7 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
                              i + STAGES >= pre)
                     # a full chunk's O leaves by one TMA store staged in U's slot (x refills it for chunk i + 2
                     # only after u_free); from registers, its scattered 4-byte stores kept the load/store unit
-                    # busy ~2400 clocks a chunk beside x's shared-memory work (clock64 trace, session 12). A tail
+                    # busy ~2400 clocks a chunk beside x's shared-memory work (clock64 trace). A tail
                     # chunk stores its valid rows only: a TMA box would overwrite the next sequence's.
                     if i >= pre:
                         if n_valid == C:

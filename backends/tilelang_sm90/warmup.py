@@ -1,4 +1,4 @@
-"""Segment initial states by warm-up, for context parallelism (ALGORITHM.md section 4, the decay route).
+"""Segment initial states by warm-up, for context parallelism (docs/algorithm.md section 4, the decay route).
 
 Per token the state map is S -> e^{g_t} (I - beta_t k_t k_t^T) S + beta_t k_t v_t^T. Its linear part has
 spectral norm at most b_t = e^{g_t} max(1, |1 - beta_t ||k_t||^2|) (the bracket is 1 for unit keys and beta
@@ -30,7 +30,8 @@ import torch
 CHUNK = 64
 LOG_BOUND = -12.0
 # Chunks per fixed warm-up: the quick grid's gates (logsigmoid(randn), ~0.8 a token) settle in one; model-like
-# gates' median head in 2-3, their slowest in 76-175 (NOTES.md), which no short window reaches.
+# gates' median head in 2-3, their slowest in 76-175 (the bench's --gates model),
+# which no short window reaches.
 FIRST_WINDOW = 4
 
 

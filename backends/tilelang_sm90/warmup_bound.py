@@ -8,16 +8,16 @@ route's walks).
     1. chunk sums: the bound's log summed per chunk and value head (float64), each program one chunk's 64 tokens
        and one key head's group: for the flags per (segment, chunk of its fixed window) into [n_seg, window, HV];
        for the walks once per chunk-table row a walk can reach, into [n_rows, HV], which every segment of the
-       sequence reads (session 12: per segment, each recomputed all the chunks before it, ~n_seg / 2 times the
+       sequence reads (summed per segment instead, each recomputed all the chunks before it, ~n_seg / 2 times the
        sequence's k, 0.055 ms of 2/8 1x32768's 0.234 with 16 segments);
     2. one program per segment: the window's sums added, the test per head (the flags), or running sums over
        blocks of 64 chunks, nearest first, and the first count that settles each head (the walks).
 
-History (H200, session 10): one program per segment walking its window 16 tokens and one key head at a time cost
+Why two launches (H200): one program per segment walking its window 16 tokens and one key head at a time cost
 0.13-0.40 ms a call (4/8 1x8192 to 16/32 1x32768, eager), latency-bound: ~16 dependent small loads per chunk and
 head. The PyTorch form before it (gathers, float64 casts, a sum per chunk, a cumulative sum) was ~35 small ops and
-host reads. Here the loads are spread over programs and each is one 64-token tile. (Until session 11 a search for
-the shortest settling warm-up ran here too, for a route that read its lengths back; the chained route replaced it.)
+host reads. Here the loads are spread over programs and each is one 64-token tile. (The chained
+route's walks need no search for the shortest settling warm-up, which a route that read its lengths back had.)
 
 Imported only where context parallelism runs (context_parallel.available: triton importable)."""
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _walks_kernel(sums, base, before, after, walk, HV: tl.constexpr, HVP: tl.con
     LOG_BOUND for head hv, else avail (the walk reaches the sequence's boundary: exact); 0 where avail is 0.
     sums: [n_rows, HV] per chunk-table row; segment j's m-th chunk is row base[j] - 1 - m (its first row as base),
     base[j] + m with REVERSE (the row after it). The blocks stop once every head has its count: a later block's
-    counts are larger, so the walk is the same (H200 session 34: a sequence's last segments read every block to
+    counts are larger, so the walk is the same (H200: a sequence's last segments read every block to
     its start, 12-14 us at 1x32768 where each head settled in the first block)."""
     j = tl.program_id(0).to(tl.int64)
     hv = tl.arange(0, HVP)

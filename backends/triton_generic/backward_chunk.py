@@ -1,5 +1,5 @@
 """Per chunk and K block, in parallel: the gradients that flow through the output and the state update
-(ALGORITHM.md section 5), given the chunk's S0 (h), dS_end (dh), U, dO and dU:
+(docs/algorithm.md section 5), given the chunk's S0 (h), dS_end (dh), U, dO and dU:
 
     dQ  = scale (diag(Gamma) dO S0^T + ((dO U^T) (.) D_incl) K)
     dK  = scale ((dO U^T) (.) D_incl)^T Q + diag(Gamma_C / Gamma) U dS_end^T      (WY terms come later)

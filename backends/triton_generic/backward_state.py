@@ -1,4 +1,4 @@
-"""The reverse sequential pass of the backward (ALGORITHM.md section 5): per (sequence, value head, V block)
+"""The reverse sequential pass of the backward (docs/algorithm.md section 5): per (sequence, value head, V block)
 dS [K, BV] stays in fp32 registers from the last chunk to the first.
 
 Per chunk (given dS_end): dU = scale (Q K^T (.) D_incl)^T dO + Kt dS_end,
@@ -84,7 +84,7 @@ def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk
         dd = tl.load(dob + r[:, None] * (HV * V) + cv[None, :], mask=m[:, None] & mv[None, :], other=0.0).to(dt)
         # diag(Gamma_C / Gamma) K dS_end, plus the chunk-local term that local_du_kernel left in du, added after
         # the product rather than loaded as its accumulator: Triton can then prefetch that load with the others
-        # when the loop is pipelined (a helper's sm90 build study, session 7). The decay scales K before the
+        # when the loop is pipelined (sm90 builds read with cuobjdump). The decay scales K before the
         # product: scaling the product's rows instead, with the dS update below scaling dO, made a build that
         # faulted (illegal memory access) on the H200 with Triton 3.6, though each change alone ran
         kt = (kk.to(tl.float32) * tl.where(m, tl.exp2(g_last - gg), 0.0)[:, None]).to(dt)

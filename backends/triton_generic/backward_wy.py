@@ -1,5 +1,5 @@
 """Per chunk, in parallel: the gradients through W = T diag(beta Gamma) K and U' = T diag(beta) V, through
-T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T (.) D)) (ALGORITHM.md section 5), then the gate
+T = (I + A)^-1 and A = strictly_lower(diag(beta) (K K^T (.) D)) (docs/algorithm.md section 5), then the gate
 gradient as the reverse cumulative sum of dgamma inside the chunk. dK is the key head's (summed over the
 value heads that share it, one launch per value head of the group, as backward_chunk.py).
 
@@ -59,8 +59,8 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
     # K K^T and the dW products in one unpipelined loop (static_range): inside a pipelined loop, Triton 3.6's
     # sm90 build left K K^T's wgmma in flight (its only wait after the loop) while the loop's predicated-off
     # prefetch zero-filled the shared-memory slot it read (a two-slot ring; TTGIR, offline build at 4 warps / 3
-    # stages): dbeta and dg, its only consumers, differed between identical calls on the H200 (session 9). One
-    # loop reads K once (H200, session 10: 4/8 1x8192 backward 0.652 -> 0.625 ms against a K K^T loop of its own
+    # stages): dbeta and dg, its only consumers, differed between identical calls on the H200. One
+    # loop reads K once (H200: 4/8 1x8192 backward 0.652 -> 0.625 ms against a K K^T loop of its own
     # beside the pipelined dW loop; 16/32 even)
     kkt = tl.zeros([64, 64], dtype=tl.float32)
     for ik in tl.static_range(0, K, BK):

@@ -76,7 +76,7 @@ def _sm_count(index: int) -> int:
 # Context parallelism: None = decide from the SM count, 0 = off, n = segments of n chunks (tests).
 CP_SEGMENT_CHUNKS = None
 CP_MIN_SEGMENT_CHUNKS = 8
-# segments per sequence: as many as keep the programs within one per SM (H200, session 10, CUDA graphs, ms:
+# segments per sequence: as many as keep the programs within one per SM (H200, CUDA graphs, ms:
 # forward 2/8 1x32768 0.576 at 17 segments (the old rule, 2 per SM rounded up: 272 programs on 132 SMs), 0.547 at
 # 8; 4/16 1x32768 1.216 at 9, 1.052 at 4; backward 4/8 1x8192 0.632 at 16, 0.577 at 8; 4/8 1x32768 1.897 at 16,
 # 1.934 at 8, the one point where two per SM won)

@@ -1,4 +1,4 @@
-"""Context parallelism inside one GPU for few, long sequences (ALGORITHM.md section 4, the exact form).
+"""Context parallelism inside one GPU for few, long sequences (docs/algorithm.md section 4, the exact form).
 
 The state pass runs one program per (sequence, value head, V block) down a whole sequence; with few heads
 that leaves most SMs idle. Cut every sequence into segments of whole chunks:

@@ -177,7 +177,7 @@ def _gdn_recurrent_kernel(
 def launch_config(K: int, V: int, n_heads_total: int) -> tuple[int, int]:
     """(BV, num_warps) for a K x V state and N*HV (sequence, head) pairs.
 
-    Measured on the H200 (2026-11-29, benchmarks/JOURNAL.md, K = V = 128): a 128 x 64 fp32 tile over 4
+    Measured on the H200 (benchmarks/results/h200/results.md, decode; K = V = 128): a 128 x 64 fp32 tile over 4
     warps (64 state registers a thread, 16-byte row loads) moved the state at 3.77-3.93 TB/s where
     128 x 32 reached 3.65-3.75; 1 warp per 128 x 16 tile was fastest at B=1 (4.2 us), where only the
     spread over SMs matters. Small batches go narrower until ~512 programs cover the 132 SMs.

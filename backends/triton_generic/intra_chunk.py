@@ -1,5 +1,5 @@
 """Per chunk, in parallel: gate cumsum, beta-scaled K K^T with the decay mask, the unit lower-triangular
-solve T = (I + A)^-1, then W = T diag(beta Gamma) K and U' = T diag(beta) V (ALGORITHM.md section 2).
+solve T = (I + A)^-1, then W = T diag(beta Gamma) K and U' = T diag(beta) V (docs/algorithm.md section 2).
 
 Four launches, each with the warp count its tiles want:
     kkt_kernel           gamma and A (one 64 x 64 product per chunk), A stored fp32

@@ -2,7 +2,7 @@
 
 Fixed per kernel, not autotuned at call time: autotuning costs the first call seconds per shape, may pick
 differently from one process to the next (results not bitwise repeatable across runs) and cannot run while
-a CUDA graph is captured. The values are H200 sweeps (benchmarks/JOURNAL.md, session 7); on another GPU,
+a CUDA graph is captured. The values are H200 sweeps (docs/performance.md, triton_generic); on another GPU,
 GDNKIT_TRITON_LAUNCH overrides entries for tuning: "output=4x2,backward_chunk=8x1" (warps x stages).
 
 Stages only matter for kernels with a runtime loop (the sequential passes walk their chunks in one); where
@@ -19,7 +19,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 SIXTEEN_BIT = {
-    # H200 (2026-11-30, scratch sweep over 2/4/8 warps x 1/2/3 stages; per-kernel device time, ms, at 16/64
+    # H200 (a sweep over 2/4/8 warps x 1/2/3 stages, docs/performance.md; per-kernel device time, ms, at 16/64
     # 1x32768 unless named): fewer warps than the 8 of the first version win almost everywhere
     "kkt": (4, 2),             # 0.490 -> 0.355 (8 -> 4 warps; 197 registers, no spills)
     "diag_inverse": (1, 3),    # one warp per 16 x 16 block: 64 registers, no barriers (2 warps add 3 a row)
@@ -28,8 +28,8 @@ SIXTEEN_BIT = {
     "state": (4, 3),           # the state pass alone (and the propagator pass): 8/32 1x32768 0.844 (4x2) -> 0.789
     "fused": (4, 3),           # the state pass with the output fused in: 2.48 (8x1) -> 1.354
     "reverse": (4, 3),         # the backward's reverse pass, 16/32 1x32768: 1.723 (4x1) -> 1.388; the 4x1, 4x2 and
-                               # 4x3 builds all pass test_reverse_pass_build_matches_its_arithmetic on the H200
-                               # (session 9); Triton 3.6 has miscompiled other forms of this kernel (JOURNAL session 8)
+                               # 4x3 builds all pass test_reverse_pass_build_matches_its_arithmetic on the H200;
+                               # Triton 3.6 has miscompiled other forms of this kernel
     "output": (4, 2),          # 64-wide V blocks: 2.840 (8) / 1.486 (4) / 1.439 (2); 128-wide (output.BLOCK_V): 1.04
     "local_du": (4, 2),        # 16/32 1x32768: 0.809 -> 0.454
     "backward_chunk": (4, 3),  # 16/32 1x32768: 2.787 (8x1) -> 1.671

@@ -13,7 +13,8 @@ from .launch import launch
 from .sizes import cdiv, next_power_of_2
 
 # V columns per program; every program also forms its chunk's Q K^T, so wider blocks form it fewer times.
-# 128 at 4 warps: 16/64 1x32768 1.49 -> 1.04 ms against 64 (H200, 2026-11-30); at 2 warps 128 spills (8x slower)
+# 128 at 4 warps: 16/64 1x32768 1.49 -> 1.04 ms against 64 (H200, docs/performance.md); at 2 warps 128
+# spills (8x slower)
 BLOCK_V = 128
 
 

@@ -1,4 +1,4 @@
-"""The sequential pass over chunks (ALGORITHM.md section 2): per (sequence, value head, V block) the state
+"""The sequential pass over chunks (docs/algorithm.md section 2): per (sequence, value head, V block) the state
 S [K, BV] stays in fp32 registers from the first chunk to the last.
 
 Per chunk: U = U' - W S0 (or, U_ON_CHIP, T diag(beta) (V - diag(Gamma) K S0): NewValues), S_end = Gamma_C S0 +
@@ -84,12 +84,12 @@ def state_pass_kernel(q, k, w, u, v, beta, tmat, gcum, h, vnew, o, h0, ht, cu_se
         dec = tl.where(m, tl.exp2(g_last - gg), 0.0)    # Gamma_C / Gamma per row
         if dt == tl.float32:
             # fp32 keeps the decay on K's rows: the U-rows form below, with the raw K load transposed into
-            # a tf32x3 dot, gave o errors of 8e-2 on the H200 (Triton 3.6, 2026-11-29); bf16 was exact
+            # a tf32x3 dot, gave o errors of 8e-2 on the H200 (Triton 3.6); bf16 was exact
             kt = kk * dec[:, None]
             S = S * tl.exp2(g_last) + tl.dot(tl.trans(kt), un, input_precision=PREC)
         else:
             # 16-bit: the decay on U's rows (64 x BV) instead of K's (64 x K), a smaller live tile (sm90
-            # spills 596 -> 448 bytes fused); state pass 16/64 1x32768 3.39 -> 2.48 ms (H200, 2026-11-29)
+            # spills 596 -> 448 bytes fused); state pass 16/64 1x32768 3.39 -> 2.48 ms (H200, docs/performance.md)
             ud = (un * dec[:, None]).to(dt)
             S = S * tl.exp2(g_last) + tl.dot(tl.trans(kk), ud, input_precision=PREC)
 
