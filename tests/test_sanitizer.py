@@ -44,7 +44,10 @@ def test_compute_sanitizer_clean(tool, backend):
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
     if exe is None:
         pytest.skip("compute-sanitizer is not installed")
-    cmd = [exe, "--tool", tool, "--error-exitcode", "99", *TOOL_ARGS[tool], sys.executable, str(WORKLOAD), backend]
+    # --report-api-errors no: torch and Triton probe the driver's entry points (cuGetProcAddress) and expect some
+    # lookups to fail; those are API return codes, not kernel errors, and would count in the summary.
+    cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--report-api-errors", "no", *TOOL_ARGS[tool],
+           sys.executable, str(WORKLOAD), backend]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     out = run.stdout + run.stderr
     logs = os.environ.get("GDNKIT_SANITIZER_LOGS")
