@@ -290,8 +290,8 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
             if h0k is not None:
                 rows = h0k[[p.seq for p in pieces]]
                 states = torch.cat([torch.zeros_like(rows[:1]), rows[1:]]) if continuing else rows
-            o0, ends = api.chunk_gated_delta_rule(q, k, v, g, beta, call.scale, states, True, cu_seqlens=local_cu,
-                                                  **opts)
+            o0, ends = api.chunk_gated_delta_rule(q, k, v, g, beta, call.scale, states, bool(plan.slots[plan.rank]),
+                                                  cu_seqlens=local_cu, **opts)
         if continuing:
             n_in = lengths[0]
             eye = torch.eye(K, dtype=sdt, device=device).expand(1, HV, K, K).contiguous()
@@ -299,8 +299,9 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
             o_I, A = api.chunk_gated_delta_rule(q[:, :n_in], k[:, :n_in], zeros, g[:, :n_in], beta[:, :n_in],
                                                 call.scale, eye, True, **opts)
         parts = []
+        index = {p.seq: i for i, p in enumerate(pieces)}
         for (kind, seq), _ in sorted(plan.slots[plan.rank].items(), key=lambda item: item[1]):
-            i = next(j for j, p in enumerate(pieces) if p.seq == seq)
+            i = index[seq]
             if kind == "map":
                 parts += [A[0].to(sdt).reshape(-1), ends[i].to(sdt).reshape(-1)]
             else:
@@ -310,9 +311,7 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
 
     gathered = None
     if plan.row:
-        rows = [torch.empty(plan.row, dtype=sdt, device=device) for _ in range(plan.world)]
-        dist.all_gather(rows, sent.detach().contiguous(), group=group)
-        gathered = torch.stack(rows)
+        gathered = _gather_rows(dist, group, sent.detach().contiguous(), plan.world)
 
     # After the gather: leaves of their own, so its graph ends where the local one begins.
     G = None if gathered is None else gathered.requires_grad_(record)
@@ -322,7 +321,11 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
         correction = None
         if continuing:
             s_in = _run_chain(plan, G, pieces[0].seq, until=plan.rank)
-            correction = torch.einsum("thk,hkv->thv", o_I_in[0].to(sdt), s_in)
+            # o_I arrives in v's dtype: at 16 bits the product runs on tensor cores with S_in rounded to 16 bits,
+            # as the kernels round a chunk's entering state where it meets q (fp32 here would cost about as much
+            # as the pass itself); at 32 and 64 bits in the state dtype.
+            cdt = o_I_in.dtype if o_I_in.dtype in (torch.bfloat16, torch.float16) else sdt
+            correction = torch.matmul(o_I_in[0].to(cdt).transpose(0, 1), s_in.to(cdt)).transpose(0, 1)
         ht = None
         if call.output_final_state:
             ht = torch.stack([_final_state(plan, G, n, h0_in, sdt, device) for n in range(len(plan.offsets) - 1)])
@@ -331,7 +334,7 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
     # the version counter alone, which autograd would otherwise read as an edit of a view it returned.
     o = o0.data if o0 is not None else v.new_zeros(1, 0, HV, V)
     if correction is not None:
-        o[0, :n_in] = (o[0, :n_in].to(sdt) + correction.detach()).to(o.dtype)
+        o[0, :n_in] = (o[0, :n_in].to(sdt) + correction.detach().to(sdt)).to(o.dtype)
     ht_out = None if ht is None else (ht.detach().transpose(-1, -2).contiguous() if call.state_v_first
                                       else ht.detach())
     graphs = None
@@ -339,6 +342,28 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
         graphs = dict(local=[o0, o_I, sent, h0k], after=[correction, ht], after_leaves=[G, o_I_in, h0_in],
                       n_in=lengths[0] if continuing else 0)
     return o, ht_out, graphs
+
+
+def _gather_rows(dist, group, row, world):
+    """[P, row]: every rank's row, in rank order (into one buffer on NCCL; gloo takes a list)."""
+    if row.is_cuda and dist.get_backend(group) == "nccl":
+        out = row.new_empty(world, row.numel())
+        dist.all_gather_into_tensor(out, row, group=group)
+        return out
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row, group=group)
+    return torch.stack(rows)
+
+
+def _sum_over_ranks(dist, group, dG, rank):
+    """Row `rank` of the sum over the group of every rank's [P, row] gradient of the gathered buffer: a
+    reduce_scatter on NCCL (each rank receives its row only), an all_reduce elsewhere (gloo has no reduce_scatter)."""
+    if dG.is_cuda and dist.get_backend(group) == "nccl":
+        mine = torch.empty_like(dG[rank])
+        dist.reduce_scatter_tensor(mine, dG, group=group)
+        return mine
+    dist.all_reduce(dG, group=group)
+    return dG[rank]
 
 
 def _cumsum(xs):
@@ -407,13 +432,13 @@ class _ContextParallel(torch.autograd.Function):
         wrt = [t for t in (G, o_I_in, h0_in) if t is not None and t.requires_grad]
         got = dict(zip(map(id, wrt), torch.autograd.grad(ends, wrt, grads, allow_unused=True))) if ends and wrt \
             else {}
-        dG = None
-        if G is not None:
+        d_sent = None
+        if G is not None:  # every rank reduces, even where its own part is zero
             dG = got.get(id(G))
             dG = torch.zeros_like(G) if dG is None else dG.contiguous()
-            ctx.dist.all_reduce(dG, group=ctx.group)  # every rank, even where its own part is zero
+            d_sent = _sum_over_ranks(ctx.dist, ctx.group, dG, plan.rank)
         o0, o_I, sent, h0k = graphs["local"]
-        pairs = [(o0, do), (o_I, got.get(id(o_I_in))), (sent, None if dG is None else dG[plan.rank]),
+        pairs = [(o0, do), (o_I, got.get(id(o_I_in))), (sent, d_sent),
                  (h0k, got.get(id(h0_in)))]
         pairs = [(t, d) for t, d in pairs if t is not None and d is not None and t.requires_grad and t.numel()]
         leaves = ctx.leaves

@@ -259,3 +259,113 @@ def test_needs_an_initialised_process_group():
     x, offsets, _ = _case(1, 1)
     with pytest.raises(RuntimeError, match="init_process_group"):
         gdnkit.distributed.chunk_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta")))
+
+
+# GPU: the same contract with CUDA tensors and the backends dispatch picks there (tilelang_sm90 on Hopper at
+# K = V = 128, triton_generic elsewhere). CUDA cannot be forked, so these processes are spawned.
+
+GPU_HEADS = (2, 4, 128, 128)  # H, HV, K, V
+
+
+def _gpu_case(seed, world, device):
+    """~5000 packed tokens: a short sequence, an empty one, one spanning every shard, a last short one; uneven
+    shards."""
+    rng = random.Random(seed)
+    T = 5000 + rng.randint(0, 63)
+    offsets = [0, 300, 300, T - 400, T]
+    cuts = sorted(rng.sample(range(600, T - 800), world - 1))
+    bounds = [0, *cuts, T]
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    Hq, Hv, Kd, Vd = GPU_HEADS
+    N = len(offsets) - 1
+    x = dict(q=rnd(1, T, Hq, Kd), k=F.normalize(rnd(1, T, Hq, Kd), dim=-1), v=rnd(1, T, Hv, Vd),
+             g=F.logsigmoid(rnd(1, T, Hv)), beta=torch.rand(1, T, Hv, generator=gen, dtype=torch.float64),
+             h0=rnd(N, Hv, Kd, Vd), w_o=rnd(1, T, Hv, Vd), w_h=[rnd(N, Hv, Kd, Vd) for _ in range(world)])
+    return {name: [t.to(device) for t in x[name]] if name == "w_h" else x[name].to(device) for name in x}, offsets, \
+        bounds
+
+
+def _gpu_run(x, offsets, lo, hi, dtype, distributed, world, rank, backend=None):
+    """Outputs and gradients of one side: this rank's shard through gdnkit.distributed, or the whole batch in one
+    call (loss: the sum of every rank's)."""
+    names = ("q", "k", "v", "g", "beta")
+    cast = lambda t: t.to(dtype) if t.dtype == torch.float64 and dtype != torch.float64 and t.dim() == 4 else t  # noqa
+    t = {n: cast(x[n][:, lo:hi]).clone().requires_grad_() for n in names}
+    h0 = x["h0"].float().clone().requires_grad_() if dtype != torch.float64 else x["h0"].clone().requires_grad_()
+    gates = {n: t[n].float() if dtype != torch.float64 else t[n] for n in ("g", "beta")}
+    cu = torch.tensor(offsets, dtype=torch.int32, device=x["q"].device)
+    fn = gdnkit.distributed.chunk_gated_delta_rule if distributed else gdnkit.chunk_gated_delta_rule
+    extra = {} if backend is None else {"backend": backend}
+    o, ht = fn(t["q"], t["k"], t["v"], gates["g"], gates["beta"], None, h0, True, cu_seqlens=cu, **extra)
+    w_h = x["w_h"][rank] if distributed else sum(x["w_h"][:world])
+    ((o.double() * x["w_o"][:, lo:hi]).sum() + (ht.double() * w_h).sum()).backward()
+    if distributed:
+        dist.all_reduce(h0.grad)
+    return o.detach(), ht.detach(), {**{n: v.grad for n, v in t.items()}, "h0": h0.grad}
+
+
+def _check_gpu_case(world, rank, device, dtype):
+    """This rank's shard against float64 (the reference backend on the whole batch): within twice the error of
+    the single-process call on the whole batch in the same dtype (whose chunks start elsewhere), plus a little."""
+    x, offsets, bounds = _gpu_case(40 + world, world, torch.device(device))
+    lo, hi = bounds[rank], bounds[rank + 1]
+    T = bounds[-1]
+    o, ht, grads = _gpu_run(x, offsets, lo, hi, dtype, True, world, rank)
+    o1, ht1, grads1 = _gpu_run(x, offsets, 0, T, dtype, False, world, rank)
+    o64, ht64, grads64 = _gpu_run(x, offsets, 0, T, torch.float64, False, world, rank, backend="reference")
+    slack = 1e-3 if dtype != torch.float32 else 1e-5
+    pairs = [("o", o, o1[:, lo:hi], o64[:, lo:hi]), ("final states", ht, ht1, ht64)]
+    pairs += [(f"d{n}", grads[n], grads1[n] if n == "h0" else grads1[n][:, lo:hi],
+               grads64[n] if n == "h0" else grads64[n][:, lo:hi]) for n in grads]
+    for name, got, single, exact in pairs:
+        err, err1 = _rel(got, exact), _rel(single, exact)
+        assert err < 2 * err1 + slack, f"{name}: {err:.2e} vs float64, the single call {err1:.2e} ({dtype}, rank {rank})"
+
+
+def _gpu_worker(rank, world, init_file, backend, same_device, checks):
+    device = "cuda:0" if same_device else f"cuda:{rank}"
+    torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name, args in checks:
+            globals()[name](world, rank, device, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_gpu(world, backend, same_device, checks):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_gpu_worker, args=(world, os.path.join(tmp, "rendezvous"), backend, same_device, checks),
+                 nprocs=world, join=True)
+
+
+def _check_world_of_one(world, rank, device):
+    """NCCL with one process: the single-process call, the same bits."""
+    x, offsets, _ = _gpu_case(50, 1, torch.device(device))
+    args = [x[n].to(torch.bfloat16) if x[n].dim() == 4 else x[n].float() for n in ("q", "k", "v", "g", "beta")]
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    h0 = x["h0"].float()
+    o, ht = gdnkit.distributed.chunk_gated_delta_rule(*args, None, h0, True, cu_seqlens=cu)
+    o1, ht1 = gdnkit.chunk_gated_delta_rule(*args, None, h0, True, cu_seqlens=cu)
+    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_world_of_one():
+    _spawn_gpu(1, "nccl", True, [("_check_world_of_one", ())])
+
+
+@pytest.mark.gpu
+def test_gpu_gloo_with_cuda_tensors():
+    """Two processes on one GPU over gloo, CUDA tensors: the whole distributed path on the GPU's backends."""
+    _spawn_gpu(2, "gloo", True, [("_check_gpu_case", (torch.bfloat16,)), ("_check_gpu_case", (torch.float32,))])
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_multi_gpu_nccl():
+    """One process per GPU over NCCL (up to 4)."""
+    world = min(torch.cuda.device_count(), 4)
+    _spawn_gpu(world, "nccl", False, [("_check_gpu_case", (torch.bfloat16,)), ("_check_gpu_case", (torch.float32,))])
