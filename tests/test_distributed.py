@@ -204,6 +204,9 @@ def _check_bad_inputs(world, rank):
     # one rank asks for final states, the others do not
     _expect(ValueError, "same head shapes", lambda: call(*args(), output_final_state=rank == 0, cu_seqlens=cu))
     _expect(TypeError, "unexpected keyword", lambda: call(*args(), cu_seqlens=cu, chunk_size=64))
+    # one rank records a graph, the others do not: the backward's collective would wait forever
+    graded = [t.clone().requires_grad_(rank == 0) for t in args()]
+    _expect(ValueError, "agree on whether gradients", lambda: call(*graded, cu_seqlens=cu))
     # the group still works after every rejection
     o, _ = call(*args(), cu_seqlens=cu)
     assert o.shape == (1, hi - lo, HV, V)
