@@ -38,6 +38,9 @@ OPTIONS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias", 
            "allow_neg_eigval", "state_v_first", "backend")
 
 
+# Opaque to torch.compile, as the single-process call is: Dynamo cannot trace the host-side planning or keep it
+# correct across calls.
+@torch.compiler.disable
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, *, cu_seqlens: torch.Tensor | None = None,
@@ -419,6 +422,9 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         plan, call, graphs = ctx.plan, ctx.call, ctx.graphs
+        if graphs is None:
+            raise RuntimeError("gdnkit.distributed.chunk_gated_delta_rule: a second backward through one call "
+                               "(retain_graph=True) is not supported; its recorded graphs go with the first")
         correction, ht = graphs["after"]
         G, o_I_in, h0_in = graphs["after_leaves"]
         n_in = graphs["n_in"]
