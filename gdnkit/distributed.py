@@ -283,38 +283,22 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
 
     with torch.enable_grad() if record else torch.no_grad():
         h0k = None if h0 is None else (h0.transpose(-1, -2) if call.state_v_first else h0)
-        pieces = plan.pieces[plan.rank]
-        continuing = plan.continues[plan.rank]
-        o0 = o_I = ends = A = None
-        if pieces:
-            lengths = [p.end - p.start for p in pieces]
-            local_cu = torch.tensor([0] + _cumsum(lengths), dtype=torch.int32, device=device)
-            states = None
-            if h0k is not None:
-                rows = h0k[[p.seq for p in pieces]]
-                states = torch.cat([torch.zeros_like(rows[:1]), rows[1:]]) if continuing else rows
-            o0, ends = api.chunk_gated_delta_rule(q, k, v, g, beta, call.scale, states, bool(plan.slots[plan.rank]),
-                                                  cu_seqlens=local_cu, **opts)
-        if continuing:
-            n_in = lengths[0]
-            eye = torch.eye(K, dtype=sdt, device=device).expand(1, HV, K, K).contiguous()
-            zeros = v.new_zeros(1, n_in, HV, K)
-            o_I, A = api.chunk_gated_delta_rule(q[:, :n_in], k[:, :n_in], zeros, g[:, :n_in], beta[:, :n_in],
-                                                call.scale, eye, True, **opts)
-        parts = []
-        index = {p.seq: i for i, p in enumerate(pieces)}
-        for (kind, seq), _ in sorted(plan.slots[plan.rank].items(), key=lambda item: item[1]):
-            i = index[seq]
-            if kind == "map":
-                parts += [A[0].to(sdt).reshape(-1), ends[i].to(sdt).reshape(-1)]
-            else:
-                parts.append(ends[i].to(sdt).reshape(-1))
-        sent = torch.cat(parts) if parts else torch.zeros(0, dtype=sdt, device=device)
-        sent = torch.cat([sent, sent.new_zeros(plan.row - sent.numel())]) if plan.row else sent
+        try:
+            o0, o_I, sent = _local_calls(plan, call, q, k, v, g, beta, h0k, opts)
+            failed = None
+        except Exception as exc:  # re-raised after the gather, which every other rank is waiting in
+            # NaNs, not zeros: a rank that composes this row gets visibly wrong results, never silently wrong ones.
+            o0 = o_I = None
+            sent, failed = torch.full((plan.row,), float("nan"), dtype=sdt, device=device), exc
+    pieces = plan.pieces[plan.rank]
+    continuing = plan.continues[plan.rank]
+    n_in = pieces[0].end - pieces[0].start if continuing else 0
 
     gathered = None
     if plan.row:
         gathered = _gather_rows(dist, group, sent.detach().contiguous(), plan.world)
+    if failed is not None:
+        raise failed
 
     # After the gather: leaves of their own, so its graph ends where the local one begins.
     G = None if gathered is None else gathered.requires_grad_(record)
@@ -343,8 +327,45 @@ def _forward(plan: _Plan, call: _Call, tensors, dist, group, leaves=None):
     graphs = None
     if record:
         graphs = dict(local=[o0, o_I, sent, h0k], after=[correction, ht], after_leaves=[G, o_I_in, h0_in],
-                      n_in=lengths[0] if continuing else 0)
+                      n_in=n_in)
     return o, ht_out, graphs
+
+
+def _local_calls(plan: _Plan, call: _Call, q, k, v, g, beta, h0k, opts):
+    """This rank's single-process calls: o0 (its shard from the true initial state where a sequence starts here, from
+    zero for the continuing piece), o_I of the continuing piece (its outputs from the identity, v = 0), and the row
+    it sends: the maps and end states its slots name, padded to the row length."""
+    HV, K = plan.HV, plan.K
+    sdt, device = call.state_dtype, q.device
+    pieces = plan.pieces[plan.rank]
+    continuing = plan.continues[plan.rank]
+    o0 = o_I = ends = A = None
+    if pieces:
+        lengths = [p.end - p.start for p in pieces]
+        local_cu = torch.tensor([0] + _cumsum(lengths), dtype=torch.int32, device=device)
+        states = None
+        if h0k is not None:
+            rows = h0k[[p.seq for p in pieces]]
+            states = torch.cat([torch.zeros_like(rows[:1]), rows[1:]]) if continuing else rows
+        o0, ends = api.chunk_gated_delta_rule(q, k, v, g, beta, call.scale, states, bool(plan.slots[plan.rank]),
+                                              cu_seqlens=local_cu, **opts)
+    if continuing:
+        n_in = lengths[0]
+        eye = torch.eye(K, dtype=sdt, device=device).expand(1, HV, K, K).contiguous()
+        zeros = v.new_zeros(1, n_in, HV, K)
+        o_I, A = api.chunk_gated_delta_rule(q[:, :n_in], k[:, :n_in], zeros, g[:, :n_in], beta[:, :n_in],
+                                            call.scale, eye, True, **opts)
+    parts = []
+    index = {p.seq: i for i, p in enumerate(pieces)}
+    for (kind, seq), _ in sorted(plan.slots[plan.rank].items(), key=lambda item: item[1]):
+        i = index[seq]
+        if kind == "map":
+            parts += [A[0].to(sdt).reshape(-1), ends[i].to(sdt).reshape(-1)]
+        else:
+            parts.append(ends[i].to(sdt).reshape(-1))
+    sent = torch.cat(parts) if parts else torch.zeros(0, dtype=sdt, device=device)
+    sent = torch.cat([sent, sent.new_zeros(plan.row - sent.numel())]) if plan.row else sent
+    return o0, o_I, sent
 
 
 def _gather_rows(dist, group, row, world):

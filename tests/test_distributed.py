@@ -207,6 +207,22 @@ def _check_bad_inputs(world, rank):
     # one rank records a graph, the others do not: the backward's collective would wait forever
     graded = [t.clone().requires_grad_(rank == 0) for t in args()]
     _expect(ValueError, "agree on whether gradients", lambda: call(*graded, cu_seqlens=cu))
+    # a rank whose local call fails after the ranks agreed: it raises after the gather (no rank waits for it); the
+    # others compose NaNs from its row, not silent zeros
+    real = gdnkit.distributed.api.chunk_gated_delta_rule
+
+    def broken(*a, **kw):
+        raise RuntimeError("the local call broke")
+    gdnkit.distributed.api.chunk_gated_delta_rule = broken if rank == 1 else real
+    try:
+        if rank == 1:
+            _expect(RuntimeError, "local call broke",
+                    lambda: call(*args(), initial_state=x["h0"], output_final_state=True, cu_seqlens=cu))
+        else:
+            _, ht = call(*args(), initial_state=x["h0"], output_final_state=True, cu_seqlens=cu)
+            assert ht.isnan().any()
+    finally:
+        gdnkit.distributed.api.chunk_gated_delta_rule = real
     # the group still works after every rejection
     o, _ = call(*args(), cu_seqlens=cu)
     assert o.shape == (1, hi - lo, HV, V)
