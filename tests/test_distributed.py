@@ -78,7 +78,7 @@ def _case(seed, world, options=False):
     return x, offsets, bounds
 
 
-def _distributed_side(x, offsets, bounds, rank, dtype, options, grad=True):
+def _distributed_side(x, offsets, bounds, rank, dtype, options, grad=True, group=None):
     """This rank's run: its outputs, its shard's gradients, and the all-reduced replicated gradients."""
     lo, hi = bounds[rank], bounds[rank + 1]
     leaf = lambda t: t.to(dtype).clone().requires_grad_(grad)  # noqa: E731
@@ -92,7 +92,7 @@ def _distributed_side(x, offsets, bounds, rank, dtype, options, grad=True):
     cu = torch.tensor(offsets, dtype=torch.int32)
     o, ht = gdnkit.distributed.chunk_gated_delta_rule(
         shard["q"], shard["k"], shard["v"], shard["g"], shard["beta"], initial_state=h0, output_final_state=True,
-        cu_seqlens=cu, **extra)
+        cu_seqlens=cu, group=group, **extra)
     if options:
         ht = ht.transpose(-1, -2)
     if not grad:
@@ -104,7 +104,7 @@ def _distributed_side(x, offsets, bounds, rank, dtype, options, grad=True):
     if options:
         replicated.update(A_log=extra["A_log"].grad, dt_bias=extra["dt_bias"].grad)
     for t in replicated.values():
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     grads.update(replicated)
     return o, ht, grads
 
@@ -130,10 +130,10 @@ def _whole_side(x, offsets, world, dtype, options, use_oracle):
     return o.detach(), ht.detach(), grads
 
 
-def _check_case(world, rank, seed, dtype, options=False):
+def _check_case(world, rank, seed, dtype, options=False, group=None):
     x, offsets, bounds = _case(seed, world, options=options)
     use_oracle = dtype == torch.float64
-    o, ht, grads = _distributed_side(x, offsets, bounds, rank, dtype, options)
+    o, ht, grads = _distributed_side(x, offsets, bounds, rank, dtype, options, group=group)
     o_ref, ht_ref, grads_ref = _whole_side(x, offsets, world, dtype, options, use_oracle)
     lo, hi = bounds[rank], bounds[rank + 1]
     tol = 1e-10 if dtype == torch.float64 else 5e-6
@@ -228,6 +228,14 @@ def _check_bad_inputs(world, rank):
     assert o.shape == (1, hi - lo, HV, V)
 
 
+def _check_subgroup(world, rank):
+    """A group of ranks 1..P-1 of the world: shards and ranks are the group's."""
+    members = list(range(1, world))
+    group = dist.new_group(members)  # every rank creates every group
+    if rank in members:
+        _check_case(len(members), members.index(rank), 60 + world, torch.float64, group=group)
+
+
 def _check_group_of_one(world, rank):
     """A group of one process runs the single-process call on its own inputs: the same bits."""
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
@@ -271,6 +279,8 @@ def test_matches_one_process(world):
     checks += [("_check_inference_and_repeat", ()), ("_check_no_h0_no_cu", ())]
     if world == 2:
         checks += [("_check_bad_inputs", ()), ("_check_group_of_one", ())]
+    if world == 4:
+        checks += [("_check_subgroup", ())]
     _spawn(world, checks)
 
 
@@ -283,7 +293,7 @@ def test_needs_an_initialised_process_group():
 # GPU: the same contract with CUDA tensors and the backends dispatch picks there (tilelang_sm90 on Hopper at
 # K = V = 128, triton_generic elsewhere). CUDA cannot be forked, so these processes are spawned.
 
-GPU_HEADS = (2, 4, 128, 128)  # H, HV, K, V
+GPU_HEADS = (4, 8, 128, 128)  # H, HV, K, V: a head configuration `gdnkit warm` builds ahead
 
 
 def _gpu_case(seed, world, device):
