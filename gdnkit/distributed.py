@@ -429,7 +429,7 @@ def _final_state(plan: _Plan, G, seq, h0, sdt, device):
 
 class _ContextParallel(torch.autograd.Function):
     """The whole distributed call as one node: its backward runs on every rank whose loss reaches o or the final
-    states, so the gathered buffer's gradient is all-reduced by every rank, whatever each rank's loss uses."""
+    states, so every rank joins the sum of the gathered buffer's gradient, whatever its own loss uses."""
 
     @staticmethod
     def forward(ctx, plan, call, dist, group, *tensors):
