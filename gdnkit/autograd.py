@@ -6,6 +6,11 @@ import torch
 from gdnkit.problem import CHUNK_MODE, GDNInputs, Problem
 
 
+DOUBLE_BACKWARD = ("gdnkit does not support double backward: the gradients of chunk_gated_delta_rule / "
+                   "fused_recurrent_gated_delta_rule were computed with create_graph=True but are not differentiable "
+                   "(a second-order term through gdnkit would be silently wrong, so it raises instead)")
+
+
 def _is_tensor_tuple(saved) -> bool:
     return isinstance(saved, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in saved)
 
@@ -29,6 +34,24 @@ class GDNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        with torch.no_grad():
+            grads = GDNFunction._gradients(ctx, do, dht)
+        if not torch.is_grad_enabled():
+            return grads
+        # create_graph=True: the backends' backward is no differentiable graph, so the gradients carry one that
+        # raises when differentiated (a gradient penalty would otherwise silently lose gdnkit's term); gradients
+        # used only as values keep working.
+        tensors = [(i, g) for i, g in enumerate(grads) if g is not None]
+        raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD, len(tensors))(
+            *[g.detach().requires_grad_() for _, g in tensors])
+        raising = raising if isinstance(raising, tuple) else (raising,)
+        out = list(grads)
+        for (i, _), g in zip(tensors, raising):
+            out[i] = g
+        return tuple(out)
+
+    @staticmethod
+    def _gradients(ctx, do, dht):
         problem: Problem = ctx.problem
         if ctx.tensor_saved:
             saved = ctx.saved_tensors
