@@ -6,9 +6,10 @@ import torch
 from gdnkit.problem import CHUNK_MODE, GDNInputs, Problem
 
 
-DOUBLE_BACKWARD = ("gdnkit does not support double backward: the gradients of chunk_gated_delta_rule / "
-                   "fused_recurrent_gated_delta_rule were computed with create_graph=True but are not differentiable "
-                   "(a second-order term through gdnkit would be silently wrong, so it raises instead)")
+DOUBLE_BACKWARD = ("gdnkit does not support double backward: a backward with create_graph=True reached "
+                   "chunk_gated_delta_rule / fused_recurrent_gated_delta_rule, whose gradients are not differentiable "
+                   "(a second-order term through gdnkit would be silently missing). Take first-order gradients "
+                   "without create_graph=True, or keep gdnkit's outputs out of the differentiated graph (detach).")
 
 
 def _is_tensor_tuple(saved) -> bool:
@@ -34,21 +35,13 @@ class GDNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        with torch.no_grad():
-            grads = GDNFunction._gradients(ctx, do, dht)
-        if not torch.is_grad_enabled():
-            return grads
-        # create_graph=True: the backends' backward is no differentiable graph, so the gradients carry one that
-        # raises when differentiated (a gradient penalty would otherwise silently lose gdnkit's term); gradients
-        # used only as values keep working.
-        tensors = [(i, g) for i, g in enumerate(grads) if g is not None]
-        raising = torch._C._functions.DelayedError(DOUBLE_BACKWARD, len(tensors))(
-            *[g.detach().requires_grad_() for _, g in tensors])
-        raising = raising if isinstance(raising, tuple) else (raising,)
-        out = list(grads)
-        for (i, _), g in zip(tensors, raising):
-            out[i] = g
-        return tuple(out)
+        # Grad mode is on inside a backward only under create_graph=True. The backends' backward builds no
+        # differentiable graph, and any gradient made of it would either drop gdnkit's second-order term silently
+        # (torch.autograd.grad prunes what does not reach its inputs) or raise later far from the cause: so it
+        # raises here, at the first backward that asks for a graph.
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD)
+        return GDNFunction._gradients(ctx, do, dht)
 
     @staticmethod
     def _gradients(ctx, do, dht):

@@ -33,26 +33,29 @@ def _sequences(B, T, cu_seqlens):
     return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:])]
 
 
-def _token_inputs(q, k, v, g, beta, b, t, j, G, A_log, dt_bias, opts):
-    """q_t, k_t, v_t, decay g_t and write strength beta_t of value head j at token t of batch row b."""
-    qt, kt, vt = q[b, t, j // G], k[b, t, j // G], v[b, t, j]
+def _token_inputs(q, k, v, g, beta, b, t, G, A_log, dt_bias, opts):
+    """q_t, k_t [HV, K], v_t [HV, V], decay g_t and write strength beta_t [HV] of every value head j at token t
+    of batch row b (head j reads q/k head j // G)."""
+    heads = torch.arange(v.shape[2]) // G
+    qt, kt, vt = q[b, t, heads], k[b, t, heads], v[b, t]
     if opts.get("use_qk_l2norm_in_kernel"):
-        qt = qt / torch.sqrt((qt * qt).sum() + L2NORM_EPS)
-        kt = kt / torch.sqrt((kt * kt).sum() + L2NORM_EPS)
-    gt, bt = g[b, t, j], beta[b, t, j]
+        qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + L2NORM_EPS)
+        kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + L2NORM_EPS)
+    gt, bt = g[b, t], beta[b, t]
     if opts.get("use_gate_in_kernel"):
-        x = gt + (dt_bias[j] if dt_bias is not None else 0.0)
-        gt = -torch.exp(A_log[j]) * _softplus(x)
+        x = gt + (dt_bias if dt_bias is not None else 0.0)
+        gt = -torch.exp(A_log) * _softplus(x)
     if opts.get("use_beta_sigmoid_in_kernel"):
         bt = torch.sigmoid(bt) * (2.0 if opts.get("allow_neg_eigval") else 1.0)
     return qt, kt, vt, gt, bt
 
 
 def _step(S, qt, kt, vt, gt, bt, scale):
-    S = torch.exp(gt) * S
-    u = bt * (vt - S.T @ kt)
-    S = S + torch.outer(kt, u)
-    return S, scale * (S.T @ qt)
+    """One token for every head: S [HV, K, V]."""
+    S = torch.exp(gt)[:, None, None] * S
+    u = bt[:, None] * (vt - torch.einsum("jkv,jk->jv", S, kt))
+    S = S + kt[:, :, None] * u[:, None, :]
+    return S, scale * torch.einsum("jkv,jk->jv", S, qt)
 
 
 def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *, cu_seqlens=None,
@@ -75,7 +78,8 @@ def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
         return s.transpose(-1, -2) if state_v_first else s
 
     pool = None
-    rows = [torch.zeros(T, V, dtype=torch.float64) for _ in range(B * HV)]  # [b * HV + j] -> o[b, :, j]
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64)
+    outputs = []  # (b, s, e, [e - s, HV, V]): written into o at the end (out of place: autograd)
     if ssm_state_indices is not None:
         pool = initial_state.to(torch.float64).clone()
         pool_dtype = initial_state.dtype
@@ -90,31 +94,32 @@ def run(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=Fal
             read = int(idx[n]) if idx.dim() == 1 else int(idx[n, col])
             if read < 0:
                 continue  # padding: no state touched, outputs zero
-            start = to_kv(initial_state[read].to(torch.float64))
+            S = to_kv(initial_state[read].to(torch.float64))
         elif initial_state is not None:
-            start = to_kv(_f64(initial_state[n]))
+            S = to_kv(_f64(initial_state[n]))
         else:
-            start = None
-        states = []
-        for j in range(HV):
-            S = torch.zeros(K, V, dtype=torch.float64) if start is None else start[j]
-            outs = []
-            for t in range(s, e):
-                S, o_t = _step(S, *_token_inputs(q, k, v, g, beta, b, t, j, G, A_log, dt_bias, opts), scale)
-                outs.append(o_t)
-                if ssm_state_indices is not None and idx.dim() == 2 and int(idx[n, t - s]) >= 0:
-                    pool[int(idx[n, t - s]), j] = to_kv(S.detach()).to(pool_dtype).double()
-            if outs:
-                rows[b * HV + j] = torch.cat([rows[b * HV + j][:s], torch.stack(outs), rows[b * HV + j][e:]])
-            states.append(S)
-        S_all = torch.stack(states)
+            S = torch.zeros(HV, K, V, dtype=torch.float64)
+        outs = []
+        for t in range(s, e):
+            S, o_t = _step(S, *_token_inputs(q, k, v, g, beta, b, t, G, A_log, dt_bias, opts), scale)
+            outs.append(o_t)
+            if ssm_state_indices is not None and idx.dim() == 2 and int(idx[n, t - s]) >= 0:
+                pool[int(idx[n, t - s])] = to_kv(S.detach()).to(pool_dtype).double()
+        if outs:
+            outputs.append((b, s, e, torch.stack(outs)))
         if ssm_state_indices is None:
-            finals.append(to_kv(S_all))
+            finals.append(to_kv(S))
         elif idx.dim() == 1 and inplace:
-            pool[read] = to_kv(S_all.detach()).to(pool_dtype).double()
+            pool[read] = to_kv(S.detach()).to(pool_dtype).double()
         elif not inplace:
-            finals[n] = S_all.detach()
-    o = torch.stack([torch.stack(rows[b * HV:(b + 1) * HV], 1) for b in range(B)])
+            finals[n] = S.detach()
+    if outputs:
+        rows, cols, values = [], [], []
+        for b, s, e, x in outputs:
+            rows += [b] * (e - s)
+            cols += list(range(s, e))
+            values.append(x)
+        o = o.index_put((torch.tensor(rows), torch.tensor(cols)), torch.cat(values))
     if ssm_state_indices is not None:
         return o, (to_kv(finals) if not inplace and output_final_state else None), pool
     if not output_final_state:

@@ -48,10 +48,11 @@ def rel(x, ref) -> float:
 
 
 def make_call(*, B=1, T=37, H=1, HV=2, K=8, V=4, lengths=None, tail=0, h0=True, gate=False, dt_bias=True, seed=0,
-              **options):
+              garbage_tail=True, **options):
     """Fresh random raw inputs (never zeros) in float64 on the CPU: g is log-space (<= 0) unless the in-kernel gate
     takes raw values, beta in (0, 1) unless the sigmoid takes logits, q/k unnormalised under the l2norm option.
-    lengths: packed sequences (B = 1), with `tail` tokens past cu_seqlens[-1]."""
+    lengths: packed sequences (B = 1), with `tail` tokens past cu_seqlens[-1], holding NaN (their outputs must be
+    zeros) unless not garbage_tail (the gradient tests: the options' backward still reads those tokens)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     if lengths is not None:
@@ -72,6 +73,8 @@ def make_call(*, B=1, T=37, H=1, HV=2, K=8, V=4, lengths=None, tail=0, h0=True, 
             call["dt_bias"] = rnd(HV)
     if lengths is not None:
         call["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    for n in ("q", "k", "v", "g", "beta") if tail and garbage_tail else ():  # no sequence reads these: garbage must give zeros
+        call[n][:, T - tail:] = float("nan")
     return call
 
 
@@ -148,11 +151,12 @@ def test_default_scale_is_k_to_the_minus_half():
 def test_reference_gradients_match_the_oracle(fn):
     """Every gradient (options, initial state and GVA included) against autograd through the oracle, float64."""
     call = make_call(H=2, HV=4, lengths=[3, 0, 1, 20], tail=1, use_qk_l2norm_in_kernel=True, gate=True,
-                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True)
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True, garbage_tail=False)
     assert_gradients_match("reference", fn, call, torch.float64, 1e-9)
 
 
-def assert_gradients_match(backend, fn, call, dtype, bar):
+def assert_gradients_match(backend, fn, call, dtype, bar, forward_bar=None):
+    """Every gradient (and with forward_bar, o and the final state too) against autograd through the oracle."""
     call = cast(call, dtype)
     gen = torch.Generator().manual_seed(7)
     leaves = {n: call[n].detach().clone().requires_grad_() for n in GRADS if call.get(n) is not None}
@@ -175,6 +179,9 @@ def assert_gradients_match(backend, fn, call, dtype, bar):
                                                   dht.to(device=ht.device, dtype=ht.dtype)])))
     errs = {n: rel(got[n], w) for n, w in zip(leaves, want)}
     assert all(e < bar for e in errs.values()), (errs, bar)
+    if forward_bar is not None:
+        errs = {"o": rel(o, o_ref), "ht": rel(ht, ht_ref)}
+        assert all(e < forward_bar for e in errs.values()), (errs, forward_bar)
 
 
 # --- the serving pool ------------------------------------------------------------------------------------------
@@ -282,7 +289,7 @@ def test_triton_generic_matches_the_oracle(fn, options):
 @triton_only
 def test_triton_generic_gradients_match_the_oracle():
     call = make_call(H=1, HV=2, K=16, V=16, lengths=[3, 1, 20], tail=1, use_qk_l2norm_in_kernel=True, gate=True,
-                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, garbage_tail=False)
     assert_gradients_match("triton_generic", gdnkit.chunk_gated_delta_rule, call, torch.float32,
                            1e-4 if not CUDA else 5e-3)
 
@@ -322,7 +329,7 @@ def test_gpu_backends_match_the_oracle(backend, options, fn):
 @gpu
 def test_gpu_gradients_match_the_oracle(backend):
     call = make_call(H=1, HV=2, K=128, V=128, lengths=[1, 70, 0, 20], tail=2, use_qk_l2norm_in_kernel=True,
-                     gate=True, use_beta_sigmoid_in_kernel=True)
+                     gate=True, use_beta_sigmoid_in_kernel=True, garbage_tail=False)
     assert_gradients_match(backend, gdnkit.chunk_gated_delta_rule, call, torch.bfloat16, 2e-2)
 
 
