@@ -6,6 +6,12 @@ import torch
 from gdnkit.problem import CHUNK_MODE, GDNInputs, Problem
 
 
+DOUBLE_BACKWARD = ("gdnkit does not support double backward: a backward with create_graph=True reached "
+                   "chunk_gated_delta_rule / fused_recurrent_gated_delta_rule, whose gradients are not differentiable "
+                   "(a second-order term through gdnkit would be silently missing). Take first-order gradients "
+                   "without create_graph=True, or keep gdnkit's outputs out of the differentiated graph (detach).")
+
+
 def _is_tensor_tuple(saved) -> bool:
     return isinstance(saved, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in saved)
 
@@ -29,6 +35,16 @@ class GDNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        # Grad mode is on inside a backward only under create_graph=True. The backends' backward builds no
+        # differentiable graph, and any gradient made of it would either drop gdnkit's second-order term silently
+        # (torch.autograd.grad prunes what does not reach its inputs) or raise later far from the cause: so it
+        # raises here, at the first backward that asks for a graph.
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD)
+        return GDNFunction._gradients(ctx, do, dht)
+
+    @staticmethod
+    def _gradients(ctx, do, dht):
         problem: Problem = ctx.problem
         if ctx.tensor_saved:
             saved = ctx.saved_tensors

@@ -201,6 +201,13 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
                          f"slot ({'[HV, V, K]' if state_v_first else '[HV, K, V]'}; any slot stride), got strides "
                          f"{tuple(pool.stride())}")
     num_slots = pool.shape[0]
+    slot_size = inner[0] * inner[1] * inner[2]
+    if inplace and num_slots > 1 and pool.stride(0) < slot_size:
+        # an expanded pool (stride 0) or overlapping slots: distinct slot indices would write one memory
+        raise ValueError(f"initial_state (the state pool) is written in place and its slots must not share memory: "
+                         f"slot stride {pool.stride(0)} is below a slot's {slot_size} elements (an expanded or "
+                         f"overlapping pool, strides {tuple(pool.stride())}); pass a pool with its own memory per slot, "
+                         f"e.g. .contiguous(), or inplace_final_state=False to only read it")
 
     if indices.dtype not in INDEX_DTYPES:
         raise TypeError(f"ssm_state_indices must be an int32 or int64 tensor, got {indices.dtype}")

@@ -1,23 +1,46 @@
-"""Where the sequences of a packed (varlen) batch and their 64-token chunks lie, read once per cu_seqlens.
+"""Where the sequences of a packed (varlen) batch and their 64-token chunks lie, and how cu_seqlens is read.
 
 Chunked kernels launch one program per chunk from a (sequence, chunk-within-sequence) table, and the
-host decides launch shapes from the sequence lengths. Both come from cu_seqlens, which lives on the GPU:
-reading it costs a host sync, and a sync inside a CUDA-graph capture breaks the capture. So the offsets
-are read once per cu_seqlens tensor and kept, with the device tables built from them, keyed on the tensor
-itself (identity and in-place version, as FLA keys its index tables). A caller that reuses one cu_seqlens
-tensor across calls (a serving engine's batch metadata, a benchmark's input sets) pays the read once,
-and every later call, validation included, reads nothing back and can be captured. Fixed-length batches
-need no read at all (dense_layout).
+host decides launch shapes from the sequence lengths. Both come from cu_seqlens. What may be cached, and
+what a caller may rely on:
+
+- Layouts are keyed on content: (device, offsets) -> SequenceLayout, a bounded cache. Equal offsets give
+  the same layout object, whatever tensor they came in, so the plans cached per layout downstream
+  (context-parallel segments) are shared, and a layout can never disagree with the offsets it was built
+  from. Its device tables (and its own int32 copy of cu_seqlens, which the backends hand to their kernels
+  in place of the caller's tensor) belong to gdnkit and are never written.
+- A CPU cu_seqlens is read every call: the host copy is free, so nothing the caller does to it in place
+  (cu.numpy()[i] = x, cu.data[...], inference-mode tensors) can ever be missed.
+- A CUDA cu_seqlens costs a host sync to read, and a sync inside a CUDA-graph capture breaks the
+  capture. So its offsets are kept per tensor (a weak reference to it, or a tensor of the same memory,
+  and torch's in-place version counter, which views share) and read again only when torch saw a write:
+  copy_, fill_, index assignment, out= all bump the version. A serving engine that rewrites one
+  preallocated buffer in place every step is therefore re-read every eager step and never stale.
+  Inference tensors (made under torch.inference_mode) have no version counter: they are re-read every
+  eager call (one sync each).
+- Writes torch cannot see (through .data, DLPack, a custom kernel) leave the host copy stale. Every
+  chunked call that uses a cached layout of a caller's CUDA tensor therefore enqueues a device-side check
+  (cu_seqlens == the layout's copy, then torch._assert_async): no sync, capturable, and it cannot be
+  fooled. A mismatch is a device-side assert, which ends the CUDA context: computing on with offsets that
+  disagree with the tensor would be silently wrong, and no gentler signal exists without a sync.
+- While a CUDA graph is being captured nothing is read: the offsets of the tensor's last eager call are
+  used (a tensor gdnkit never read raises RuntimeError), and the device check above is captured with the
+  call, so a replay after the buffer's values changed asserts instead of running stale launch shapes.
+  The fused recurrent kernel (decode, serving) reads cu_seqlens on the device and needs no layout, so its
+  captured graphs follow a buffer rewritten between replays.
+Fixed-length batches need no read at all (dense_layout).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import weakref
 
 import torch
 
 CHUNK = 64
-CACHED_TENSORS = 8  # distinct cu_seqlens tensors remembered (most recent kept)
+CACHED_TENSORS = 8  # distinct CUDA cu_seqlens tensors whose offsets are remembered (most recent kept)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, usable as a cache key
@@ -60,41 +83,116 @@ def _build(offsets: list[int] | tuple[int, ...], device: torch.device) -> Sequen
                           torch.stack([seq, within], 1).to(torch.int32).contiguous(), chunk_offsets)
 
 
+LAYOUTS_KEPT = 32  # distinct (device, offsets) layouts remembered (most recently used kept)
+_layouts: collections.OrderedDict[tuple, SequenceLayout] = collections.OrderedDict()
+# a layout's own cu_seqlens copy -> the layout (weak: gone with the layout), so a backend that hands the copy on
+# finds its layout without a read
+_own_copies: weakref.WeakValueDictionary[int, SequenceLayout] = weakref.WeakValueDictionary()
+
+
+def _layout_of(offsets: tuple[int, ...], device: torch.device) -> SequenceLayout:
+    key = (device.type, device.index, offsets)
+    layout = _layouts.get(key)
+    if layout is None:
+        layout = _layouts[key] = _build(offsets, device)
+        _own_copies[id(layout.cu_seqlens)] = layout
+        while len(_layouts) > LAYOUTS_KEPT:
+            _layouts.popitem(last=False)
+    _layouts.move_to_end(key)
+    return layout
+
+
+def _own_layout(cu_seqlens: torch.Tensor) -> SequenceLayout | None:
+    layout = _own_copies.get(id(cu_seqlens))
+    return layout if layout is not None and layout.cu_seqlens is cu_seqlens else None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """torch's in-place write counter, or None where there is none (inference tensors)."""
+    return None if t.is_inference() else t._version
+
+
 @dataclasses.dataclass
 class _Entry:
-    tensor: torch.Tensor
-    version: int
+    """A CUDA cu_seqlens tensor's offsets as last read, and what says whether they still hold."""
+    memory: weakref.ref   # the tensor, or the base it is a view of (an engine's buffer outlives its slices)
+    data_ptr: int
+    numel: int
+    stride: int
+    dtype: torch.dtype
+    version: int | None
     offsets: tuple[int, ...]
-    layout: SequenceLayout | None = None
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is the entry's tensor or another view of the same memory, extent and dtype (engines slice
+        their buffers anew each step). The memory cannot be reused while its base is alive, so equal pointers
+        mean the same memory; views share one version counter."""
+        base = self.memory()
+        return (base is not None and t.data_ptr() == self.data_ptr and t.numel() == self.numel
+                and t.dtype == self.dtype and t.stride(0) == self.stride and t.device == base.device)
 
 
 _entries: list[_Entry] = []
 
 
-def _entry(cu_seqlens: torch.Tensor) -> _Entry:
+def _read_every_call(cu_seqlens: torch.Tensor) -> bool:
+    """Whether reading the tensor is free (a host tensor): then its content is the key, never a cache."""
+    return not cu_seqlens.is_cuda
+
+
+def _capturing(cu_seqlens: torch.Tensor) -> bool:
+    return cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cached_offsets(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """(offsets, whether they came from the cache rather than a read now)."""
+    _entries[:] = [e for e in _entries if e.memory() is not None]
+    capturing = _capturing(cu_seqlens)
+    version = _version(cu_seqlens)
     for entry in _entries:
-        if entry.tensor is cu_seqlens and entry.version == cu_seqlens._version:
-            return entry
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not entry.holds(cu_seqlens):
+            continue
+        # While capturing nothing can be read: the last eager read is used, checked on the device.
+        if capturing or (version is not None and entry.version == version):
+            return entry.offsets, True
+    if capturing:
         raise RuntimeError("cu_seqlens is new to gdnkit while a CUDA graph is being captured: reading its offsets "
                            "would break the capture. Call once with this same tensor before capturing.")
-    entry = _Entry(cu_seqlens, cu_seqlens._version, tuple(cu_seqlens.tolist()))
-    _entries.append(entry)
+    offsets = tuple(cu_seqlens.tolist())
+    _entries[:] = [e for e in _entries if not e.holds(cu_seqlens)]
+    base = cu_seqlens if cu_seqlens._base is None else cu_seqlens._base
+    _entries.append(_Entry(weakref.ref(base), cu_seqlens.data_ptr(), cu_seqlens.numel(),
+                           cu_seqlens.stride(0), cu_seqlens.dtype, version, offsets))
     del _entries[:-CACHED_TENSORS]
-    return entry
+    return offsets, False
 
 
 def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """cu_seqlens on the host: one read per tensor, then from the cache."""
-    return _entry(cu_seqlens).offsets
+    """cu_seqlens on the host: read every call on a CPU, cached per tensor and version on a GPU (module doc)."""
+    own = _own_layout(cu_seqlens)
+    if own is not None:
+        return own.offsets
+    if _read_every_call(cu_seqlens):
+        return tuple(cu_seqlens.tolist())
+    return _cached_offsets(cu_seqlens)[0]
 
 
 def sequence_layout(cu_seqlens: torch.Tensor) -> SequenceLayout:
-    """The layout of a packed batch; the offsets must be valid (gdnkit.problem checks them first)."""
-    entry = _entry(cu_seqlens)
-    if entry.layout is None:
-        entry.layout = _build(entry.offsets, cu_seqlens.device)
-    return entry.layout
+    """The layout of a packed batch; the offsets must be valid (gdnkit.problem checks them first).
+
+    Backends launch their kernels with the layout's own cu_seqlens copy, never the caller's tensor, so the
+    tables and the offsets the kernels read always agree. Where the offsets came from the cache of a caller's
+    CUDA tensor, a device-side check that the tensor still holds them is enqueued (module doc)."""
+    own = _own_layout(cu_seqlens)
+    if own is not None:
+        return own
+    if _read_every_call(cu_seqlens):
+        return _layout_of(tuple(cu_seqlens.tolist()), cu_seqlens.device)
+    offsets, cached = _cached_offsets(cu_seqlens)
+    layout = _layout_of(offsets, cu_seqlens.device)
+    if cached:
+        torch._assert_async((cu_seqlens == layout.cu_seqlens).all())
+    return layout
 
 
 def packed_output(shape, cu_seqlens: torch.Tensor | None, *, token_dim: int = 1, **kwargs) -> torch.Tensor:
@@ -119,6 +217,6 @@ def dense_layout(B: int, T: int, device: torch.device) -> SequenceLayout:
 
 
 def seq_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of every sequence."""
-    offsets = host_offsets(cu_seqlens)
+    """(start, end) of every sequence, from the layout (so with sequence_layout's device check)."""
+    offsets = sequence_layout(cu_seqlens).offsets
     return list(zip(offsets[:-1], offsets[1:]))

@@ -41,14 +41,110 @@ def test_dense_layout_is_the_packed_one():
     assert seqlayout.dense_layout(3, 130, torch.device("cpu")) is dense
 
 
-def test_cached_per_tensor_and_version():
+def test_layouts_are_keyed_on_content():
     cu = torch.tensor([0, 10, 100])
     first = seqlayout.sequence_layout(cu)
     assert seqlayout.sequence_layout(cu) is first
-    assert seqlayout.sequence_layout(cu.clone()) is not first  # another tensor: read afresh
-    cu[1] = 70  # in place: the version moves, the cached offsets are stale
-    again = seqlayout.sequence_layout(cu)
-    assert again is not first and again.offsets == (0, 70, 100)
+    assert seqlayout.sequence_layout(cu.clone()) is first  # equal offsets: the same layout, whatever tensor
+    assert seqlayout.sequence_layout(first.cu_seqlens) is first  # the layout's own copy finds it
+
+
+@pytest.mark.parametrize("write", ["index", "numpy", "data", "inference"])
+def test_host_tensor_writes_of_every_kind_are_seen(write):
+    """A CPU cu_seqlens is read every call: writes that do not move torch's version counter are seen too."""
+    if write == "inference":
+        with torch.inference_mode():
+            cu = torch.tensor([0, 10, 100])
+    else:
+        cu = torch.tensor([0, 10, 100])
+    assert seqlayout.sequence_layout(cu).offsets == (0, 10, 100)
+    if write == "index":
+        cu[1] = 70
+    elif write == "numpy":
+        cu.numpy()[1] = 70
+    elif write == "data":
+        cu.data[1] = 70
+    else:
+        with torch.inference_mode():
+            cu[1] = 70
+    assert seqlayout.host_offsets(cu) == (0, 70, 100)
+    assert seqlayout.sequence_layout(cu).offsets == (0, 70, 100)
+
+
+@pytest.fixture
+def cached_path(monkeypatch):
+    """The per-tensor cache GPU tensors take (a host read is a sync there), exercised on host tensors."""
+    monkeypatch.setattr(seqlayout, "_read_every_call", lambda t: False)
+    monkeypatch.setattr(seqlayout, "_entries", [])
+
+
+def _reads(monkeypatch):
+    calls = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or tolist(t))
+    return calls
+
+
+def test_cached_path_reads_once_per_version(cached_path, monkeypatch):
+    reads = _reads(monkeypatch)
+    buffer = torch.tensor([0, 10, 100, 100])
+    cu = buffer[:3]
+    assert seqlayout.sequence_layout(cu).offsets == (0, 10, 100) and len(reads) == 1
+    assert seqlayout.sequence_layout(cu).offsets == (0, 10, 100) and len(reads) == 1
+    # a new view of the same memory (an engine slicing its buffer each step) shares the version: no read
+    assert seqlayout.host_offsets(buffer[:3]) == (0, 10, 100) and len(reads) == 1
+    # an engine rewriting its preallocated buffer in place (copy_ bumps the version): read again, never stale
+    buffer.copy_(torch.tensor([0, 30, 60, 90]))
+    assert seqlayout.sequence_layout(buffer[:3]).offsets == (0, 30, 60) and len(reads) == 2
+    assert seqlayout.sequence_layout(cu).offsets == (0, 30, 60) and len(reads) == 2
+
+
+def test_cached_path_rereads_inference_tensors(cached_path, monkeypatch):
+    """Inference tensors have no version counter: read every call (the defect: reading _version raised)."""
+    reads = _reads(monkeypatch)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 10, 100])
+        assert seqlayout.sequence_layout(cu).offsets == (0, 10, 100)
+        cu[1] = 50
+        assert seqlayout.sequence_layout(cu).offsets == (0, 50, 100)
+    assert len(reads) == 2
+
+
+@pytest.mark.parametrize("write", ["numpy", "data"])
+def test_cached_path_catches_writes_torch_cannot_see(cached_path, write):
+    """A write that leaves the version alone keeps the cached offsets; the device check that every cached
+    layout enqueues (torch._assert_async: synchronous on a host tensor, a device assert on a GPU) fails."""
+    cu = torch.tensor([0, 10, 100])
+    seqlayout.sequence_layout(cu)
+    if write == "numpy":
+        cu.numpy()[1] = 70
+    else:
+        cu.data[1] = 70
+    with pytest.raises(RuntimeError):
+        seqlayout.sequence_layout(cu)
+
+
+def test_cache_stays_bounded(cached_path):
+    tensors = [torch.tensor([0, n, 200]) for n in range(3 * seqlayout.CACHED_TENSORS)]
+    for cu in tensors:
+        seqlayout.sequence_layout(cu)
+    assert len(seqlayout._entries) <= seqlayout.CACHED_TENSORS
+    assert len(seqlayout._layouts) <= seqlayout.LAYOUTS_KEPT
+    del tensors, cu
+    seqlayout.sequence_layout(torch.tensor([0, 1]))
+    assert len(seqlayout._entries) == 1  # dead tensors leave the cache (a weak reference each)
+
+
+def test_inference_mode_varlen_calls():
+    """Both public calls under torch.inference_mode with an inference cu_seqlens (they raised before)."""
+    import gdnkit
+    with torch.inference_mode():
+        x = torch.randn(1, 4, 1, 8)
+        g, b = -torch.rand(1, 4, 1), torch.rand(1, 4, 1)
+        cu = torch.tensor([0, 1, 4])
+        for fn in (gdnkit.chunk_gated_delta_rule, gdnkit.fused_recurrent_gated_delta_rule):
+            o, _ = fn(x, x, x, g, b, cu_seqlens=cu)
+            assert o.shape == x.shape and torch.isfinite(o).all()
 
 
 class _HostReads(TorchFunctionMode):
@@ -67,10 +163,10 @@ class _HostReads(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("segment_chunks", [None, 1], ids=["plain", "context-parallel"])
-def test_repeated_varlen_call_reads_nothing_back(segment_chunks, monkeypatch):
-    """Validation plus the triton_generic forward (interpreted on a CPU; the same host code runs before a GPU
-    launch): the first call with a cu_seqlens tensor reads its offsets, the second reads nothing, which
-    is what lets a warmed-up call be captured in a CUDA graph."""
+def test_repeated_varlen_call_reads_nothing_back(segment_chunks, monkeypatch, cached_path):
+    """Validation plus the triton_generic forward (interpreted on a CPU, through the per-tensor cache a GPU
+    tensor takes; the same host code runs before a GPU launch): the first call with a cu_seqlens tensor reads
+    its offsets, the second reads nothing, which is what lets a warmed-up call be captured in a CUDA graph."""
     pytest.importorskip("triton")
     from gdnkit.backends.triton_generic import BACKEND, chunked
     monkeypatch.setattr(chunked, "CP_SEGMENT_CHUNKS", segment_chunks)

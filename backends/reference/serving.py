@@ -5,8 +5,8 @@ What a call means (gdnkit/api.py documents it for users; the Triton kernel is te
     state is written back to pool[idx[n]].
   - 2-D [N, C]: sequence n starts from pool[idx[n, num_accepted_tokens[n] - 1]] (column 0 without it);
     the state after its token t goes to pool[idx[n, t]].
-  - A read slot of -1: padding; the sequence touches no state and its outputs are 0. A write slot of -1:
-    that write is skipped.
+  - A read slot of -1: padding; the sequence touches no state and its outputs (and returned final state)
+    are exact zeros whatever its inputs hold. A write slot of -1: that write is skipped.
   - Math in the compute dtype; a state is rounded to the pool's dtype only when stored, never between
     the tokens of one call (as a kernel holding it in registers does).
 Every read happens before any write: validation guarantees no sequence reads a slot another writes.
@@ -68,7 +68,8 @@ def serving_forward(problem: Problem, inputs: GDNServingInputs) -> tuple[torch.T
             write = (live & (lengths_t > t) & (slot >= 0)).nonzero()[:, 0]
             pool[slot[write]] = to_kv(S[write]).to(pool.dtype)
     o = torch.cat(outputs, 1) if outputs else v.new_zeros(v.shape)
-    o = o * live.to(o.dtype)[:, None, None, None]
+    # where, never a multiply by the mask: a padding row's inputs may hold anything (NaN * 0 is NaN)
+    o = torch.where(live[:, None, None, None], o, 0)
     if problem.varlen:
         o = _unpack(o, bounds, problem.T)
     o = o.to(inputs.v.dtype)
@@ -79,5 +80,5 @@ def serving_forward(problem: Problem, inputs: GDNServingInputs) -> tuple[torch.T
         return o, pool
     if not problem.output_final_state:
         return o, None
-    S = S * live.to(dt)[:, None, None, None]
+    S = torch.where(live[:, None, None, None], S, 0)
     return o, to_kv(S).contiguous()

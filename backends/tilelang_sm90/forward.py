@@ -364,6 +364,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     # packed form [1, B*T]; the chunk tables come from the layout cache (no host read after the first call
     # with a given cu_seqlens tensor, none at all for a dense batch)
     layout = seqlayout.dense_layout(B, T, dev) if cu is None else seqlayout.sequence_layout(cu)
+    cu = None if cu is None else layout.cu_seqlens  # the offsets the tables were built from (seqlayout's doc)
     total = B * T
     q, k = (x.reshape(1, total, H, K).contiguous() for x in (q, k))
     v = v.reshape(1, total, HV, V).contiguous()

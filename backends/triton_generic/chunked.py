@@ -174,6 +174,10 @@ def forward(problem: Problem, inputs: GDNInputs):
     if h0 is not None:
         h0 = h0.float().contiguous()
     B, T = q.shape[0], q.shape[1]
+    if cu is not None:
+        # the kernels read the layout's own copy of the offsets, which its chunk tables were built from (and the
+        # backward, keeping it, finds the same layout whatever the caller does to its tensor meanwhile)
+        cu = seqlayout.sequence_layout(cu).cu_seqlens
     index = make_index(B, T, cu)
     if index.n_chunks == 0:
         o = v.new_zeros(v.shape)

@@ -1,0 +1,171 @@
+"""On a GPU (`pytest -m gpu`): repeatability, cu_seqlens buffers rewritten in place (eager and in CUDA graphs), the
+device-side check of cached offsets, and the fuzz at small shapes on the GPU backends."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gdnkit
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+H, HV, K, V = 2, 4, 128, 128
+
+
+def _backends(mode="chunk"):
+    if not torch.cuda.is_available():
+        return ["triton_generic", "tilelang_sm90"]
+    names = [b for b in gdnkit.available_backends() if b != "reference"]
+    return [b for b in names if mode == "chunk" or b != "tilelang_sm90"]
+
+
+def _inputs(T, seed=0, B=1, grad=False, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    call = dict(q=F.normalize(rnd(B, T, H, K), dim=-1).to("cuda", dtype),
+                k=F.normalize(rnd(B, T, H, K), dim=-1).to("cuda", dtype),
+                v=rnd(B, T, HV, V).to("cuda", dtype), g=F.logsigmoid(rnd(B, T, HV)).cuda(),
+                beta=torch.rand(B, T, HV, generator=gen).cuda())
+    if grad:
+        for t in call.values():
+            t.requires_grad_()
+    return call
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_thousand_repeats_are_bitwise_identical(backend):
+    """Forward and backward at one quick point, 1000 times: every output and gradient bit for bit the first one."""
+    call = _inputs(700, grad=True)
+    cu = torch.tensor([0, 1, 300, 300, 700], device="cuda", dtype=torch.int32)
+    h0 = torch.randn(4, HV, K, V, device="cuda", requires_grad=True)
+    do = torch.randn(1, 700, HV, V, device="cuda", dtype=torch.bfloat16)
+    leaves = [*call.values(), h0]
+
+    def step():
+        o, ht = gdnkit.chunk_gated_delta_rule(**call, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                              backend=backend)
+        grads = torch.autograd.grad([o, ht], leaves, [do, torch.ones_like(ht)])
+        return [o.detach(), ht.detach(), *grads]
+
+    first = step()
+    for i in range(999):
+        again = step()
+        same = [torch.equal(a, b) for a, b in zip(first, again)]
+        assert all(same), (i, same)
+
+
+def test_decode_graph_follows_a_cu_seqlens_buffer_rewritten_between_replays():
+    """vLLM's pattern: one preallocated cu_seqlens buffer, rewritten in place every step, the decode (verify) call
+    captured once. The recurrent kernel reads the offsets on the device, so each replay computes the new layout."""
+    N, C, slots = 4, 3, 32
+    pool = torch.randn(slots, HV, K, V, device="cuda") * 0.1
+    cu = torch.tensor([0, 1, 3, 6, 8], device="cuda", dtype=torch.int32)
+    idx = torch.arange(N * C, device="cuda", dtype=torch.int32).view(N, C)
+    call = _inputs(8, seed=1)
+
+    def step():
+        return gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=pool, ssm_state_indices=idx,
+                                                       cu_seqlens=cu)[0]
+
+    with torch.inference_mode():
+        step()  # warm up (compiles the kernel, reads nothing the capture needs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for offsets in ([0, 2, 4, 6, 8], [0, 3, 3, 5, 8], [0, 1, 2, 3, 4]):
+            cu.copy_(torch.tensor(offsets, device="cuda"))
+            before = pool.clone()
+            graph.replay()
+            replayed, after = out.clone(), pool.clone()
+            pool.copy_(before)
+            eager = gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=pool,
+                                                            ssm_state_indices=idx,
+                                                            cu_seqlens=torch.tensor(offsets, device="cuda"))[0]
+            assert torch.equal(replayed, eager) and torch.equal(after, pool)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("inference", [False, True], ids=["normal-buffer", "inference-buffer"])
+def test_chunked_eager_calls_follow_a_buffer_rewritten_in_place(backend, inference):
+    """The same cu_seqlens buffer rewritten each step (copy_, slices of it made anew; a buffer made under
+    inference_mode has no version counter): every call equals the call with a fresh tensor of the same values, bit
+    for bit, i.e. never the stale layout."""
+    call = _inputs(600, seed=2)
+    with torch.inference_mode(inference):
+        buffer = torch.zeros(8, device="cuda", dtype=torch.int32)
+    with torch.inference_mode():
+        for offsets in ([0, 100, 600], [0, 1, 2, 600], [0, 599, 600], [0, 300, 300, 450, 600]):
+            buffer[:len(offsets)].copy_(torch.tensor(offsets))
+            cu = buffer[:len(offsets)]
+            o, _ = gdnkit.chunk_gated_delta_rule(**call, cu_seqlens=cu, backend=backend)
+            fresh, _ = gdnkit.chunk_gated_delta_rule(**call, cu_seqlens=torch.tensor(offsets, device="cuda"),
+                                                     backend=backend)
+            assert torch.equal(o, fresh), offsets
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_chunked_call_captured_with_cu_seqlens_replays(backend):
+    call = _inputs(500, seed=3)
+    cu = torch.tensor([0, 7, 300, 500], device="cuda", dtype=torch.int32)
+    with torch.inference_mode():
+        eager, _ = gdnkit.chunk_gated_delta_rule(**call, cu_seqlens=cu, backend=backend)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, _ = gdnkit.chunk_gated_delta_rule(**call, cu_seqlens=cu, backend=backend)
+        for _ in range(3):
+            graph.replay()
+            assert torch.equal(out, eager)
+
+
+_DEVICE_CHECK = textwrap.dedent("""
+    import sys, torch, gdnkit
+    case, backend = sys.argv[1], sys.argv[2]
+    T, H, HV, K = 300, 2, 4, 128
+    q = torch.randn(1, T, H, K, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, HV, K, device="cuda", dtype=torch.bfloat16)
+    g, b = -torch.rand(1, T, HV, device="cuda"), torch.rand(1, T, HV, device="cuda")
+    cu = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
+    call = lambda: gdnkit.chunk_gated_delta_rule(q, q, v, g, b, cu_seqlens=cu, backend=backend)[0]
+    call()
+    torch.cuda.synchronize()
+    if case == "eager":
+        cu.data[1] = 150          # a write torch's version counter does not see
+        call()
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graph.replay()
+        torch.cuda.synchronize()
+        cu.copy_(torch.tensor([0, 150, 300]))   # the captured launch shapes are stale now
+        graph.replay()
+    torch.cuda.synchronize()
+    print("NOT CAUGHT")
+""")
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("case", ["eager", "graph"])
+def test_stale_offsets_are_caught_on_the_device(backend, case):
+    """Offsets changed where the host cannot see it (eager: through .data; a graph: replayed after the buffer changed)
+    end in a device-side assert, never in a silently wrong result. Run apart: the assert ends the CUDA context."""
+    run = subprocess.run([sys.executable, "-c", _DEVICE_CHECK, case, backend], capture_output=True, text=True,
+                         timeout=600)
+    assert "NOT CAUGHT" not in run.stdout
+    assert run.returncode != 0 and "device-side assert" in (run.stderr + run.stdout), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("examples", [int(os.environ.get("GDNKIT_FUZZ_EXAMPLES", "100"))])
+def test_fuzz_on_the_gpu(examples):
+    """tests/test_fuzz.py with its calls on CUDA tensors (K = V = 64 or 128: the GPU backends' head dims)."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          os.path.join(os.path.dirname(__file__), "test_fuzz.py")],
+                         capture_output=True, text=True, timeout=3000,
+                         env={**os.environ, "GDNKIT_FUZZ_DEVICE": "cuda", "GDNKIT_FUZZ_EXAMPLES": str(examples)})
+    assert run.returncode == 0, run.stdout[-4000:]

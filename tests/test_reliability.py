@@ -1,0 +1,81 @@
+"""What a serving or training user relies on beyond the numbers: state pools whose slots share memory are refused,
+final states never alias the caller's tensors, second-order gradients raise instead of vanishing."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gdnkit
+
+H, HV, K, V = 1, 2, 8, 4
+
+
+def _decode(N=3, T=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(q=rnd(N, T, H, K), k=rnd(N, T, H, K), v=rnd(N, T, HV, V), g=F.logsigmoid(rnd(N, T, HV)),
+                beta=torch.rand(N, T, HV, generator=gen))
+
+
+@pytest.mark.parametrize("pool", [
+    torch.zeros(1, HV, K, V).expand(5, HV, K, V),                            # one memory for every slot
+    torch.zeros(5 * HV * K * V).as_strided((5, HV, K, V), (K * V, K * V, V, 1)),  # slot n overlaps slot n + 1
+], ids=["expanded", "overlapping"])
+@pytest.mark.parametrize("idx", [[0, 1, 2], [[0, 1], [2, 3], [4, -1]]], ids=["1d", "2d"])
+def test_pool_slots_sharing_memory_are_refused(pool, idx):
+    idx = torch.tensor(idx, dtype=torch.int32)
+    call = _decode(T=idx.dim())
+    with pytest.raises(ValueError, match="initial_state.*share memory"):
+        gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=pool, ssm_state_indices=idx)
+    assert (pool == 0).all()  # refused before anything ran
+
+
+def test_read_only_expanded_pool_is_fine():
+    """inplace_final_state=False only reads the pool: one shared start state for every sequence is legitimate."""
+    call = _decode()
+    start = torch.randn(1, HV, K, V)
+    o, ht = gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=start.expand(4, HV, K, V),
+                                                    ssm_state_indices=torch.tensor([3, 0, 2]),
+                                                    inplace_final_state=False, output_final_state=True)
+    o_ref, ht_ref = gdnkit.fused_recurrent_gated_delta_rule(**call, initial_state=start.expand(3, HV, K, V).clone(),
+                                                            output_final_state=True)
+    assert torch.allclose(o, o_ref) and torch.allclose(ht, ht_ref)
+
+
+@pytest.mark.parametrize("fn", [gdnkit.chunk_gated_delta_rule, gdnkit.fused_recurrent_gated_delta_rule])
+def test_final_state_is_new_memory(fn):
+    """A plain call's final state never aliases initial_state (expanded or not): the caller's tensor is untouched."""
+    call = _decode()
+    for h0 in (torch.randn(3, HV, K, V), torch.randn(1, HV, K, V).expand(3, HV, K, V)):
+        before = h0.clone()
+        _, ht = fn(**call, initial_state=h0, output_final_state=True)
+        assert torch.equal(h0, before)
+        assert ht.untyped_storage().data_ptr() != h0.untyped_storage().data_ptr()
+        ht.add_(1)
+        assert torch.equal(h0, before)
+
+
+def _grad_inputs(seed=1):
+    call = _decode(N=2, T=5, seed=seed)
+    return {n: t.double().requires_grad_() for n, t in call.items()}
+
+
+@pytest.mark.parametrize("fn", [gdnkit.chunk_gated_delta_rule, gdnkit.fused_recurrent_gated_delta_rule])
+def test_double_backward_raises(fn):
+    """create_graph=True through gdnkit raises, naming double backward, where dq used to come back without a graph
+    (a gradient penalty silently lost gdnkit's term). Plain first-order gradients are unaffected."""
+    call = _grad_inputs()
+    o, _ = fn(**call)
+    dq, = torch.autograd.grad((o ** 2).sum(), call["q"])
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+    o, _ = fn(**call)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((o ** 2).sum(), call["q"], create_graph=True)
+    o, _ = fn(**call)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (o ** 2).sum().backward(create_graph=True)
+    o, _ = fn(**call)
+    loss = (o ** 2).sum() + call["k"].pow(2).sum()
+    with pytest.raises(RuntimeError, match="double backward"):  # a loss with other terms beside gdnkit's
+        torch.autograd.grad(loss, [call["q"], call["k"]], create_graph=True)
