@@ -142,10 +142,33 @@ def needs_triton(form):
 
 def close(x, ref, tol):
     """Finite, and within tol of ref relative to ref's scale (max abs)."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
     assert torch.isfinite(x).all(), "non-finite values where the recurrence is finite"
-    err = float((x.double().cpu() - ref.double().cpu()).abs().max())
+    err = float((x - ref).abs().max())
     scale = max(float(ref.abs().max()), 1e-30)
     assert err <= tol * scale, f"max error {err:.3g} over {tol:.1g} x {scale:.3g}"
+
+
+def forward_matches_the_recurrence(form, call):
+    needs_triton(form)
+    o_ref, ht_ref, _ = oracle(call)
+    o, ht, _ = run(form, call)
+    close(o, o_ref, tolerance(form))
+    close(ht, ht_ref, tolerance(form))
+
+
+def gradients_of(form, call, seed):
+    """(the backend's gradients, the recurrence's autograd ones) for random output and final-state gradients."""
+    needs_triton(form)
+    gen = torch.Generator().manual_seed(seed)
+    o_ref, ht_ref, _ = oracle(call)
+    grad_out = (torch.randn(o_ref.shape, generator=gen, dtype=torch.float64),
+                torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64))
+    return run(form, call, grad_out)[2], oracle(call, grad_out)[2]
+
+
+def gradient_tolerance(form):
+    return tolerance(form) * (30 if form.startswith("triton") else 1)
 
 
 # ---- gate resets ---------------------------------------------------------------------------------------------
@@ -169,27 +192,16 @@ def reset_call(lengths=(150, 70, 9), every_token_head=True, seed=1):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_minus_inf_gates_reset_the_state(form):
-    needs_triton(form)
-    call = reset_call()
-    o_ref, ht_ref, _ = oracle(call)
-    o, ht, _ = run(form, call)
-    close(o, o_ref, tolerance(form))
-    close(ht, ht_ref, tolerance(form))
+    forward_matches_the_recurrence(form, reset_call())
 
 
 @pytest.mark.parametrize("form", TRAINABLE)
 def test_minus_inf_gates_have_the_recurrences_gradients(form):
-    needs_triton(form)
     call = reset_call(lengths=(130, 9, 3), every_token_head=False, seed=2)
-    gen = torch.Generator().manual_seed(5)
-    o_ref, ht_ref, _ = oracle(call)
-    grad_out = (torch.randn(o_ref.shape, generator=gen, dtype=torch.float64),
-                torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64))
-    _, _, g_ref = oracle(call, grad_out)
-    _, _, grads = run(form, call, grad_out)
+    grads, g_ref = gradients_of(form, call, seed=5)
     assert all(torch.isfinite(g_ref[n]).all() for n in g_ref), "the oracle's gradients are finite here"
     for n in g_ref:
-        close(grads[n], g_ref[n], tolerance(form) * (30 if form.startswith("triton") else 1))
+        close(grads[n], g_ref[n], gradient_tolerance(form))
     # below the floor the gate's gradient is zero, as d exp(g) / dg = exp(g) = 0 at -inf
     assert (grads["g"][torch.isinf(call["g"])] == 0).all()
 
@@ -198,7 +210,6 @@ def test_minus_inf_gates_have_the_recurrences_gradients(form):
 def test_fp16_gates_past_their_range_reset(form):
     """fp16 has no value below -65504: -70000 is stored as -inf, a reset; -65504 and -60000 (finite) are resets too,
     in effect (exp(g) = 0 in float64), and their in-chunk cumulative sums must not overflow either."""
-    needs_triton(form)
     call = make_inputs([100, 40], seed=3)
     g = call["g"].to(torch.float16)
     g[0, 10, 1] = -70000.0
@@ -207,10 +218,7 @@ def test_fp16_gates_past_their_range_reset(form):
     g[0, 121, 3] = -65504.0
     assert torch.isinf(g[0, 10, 1]) and not torch.isinf(g[0, 120:122, 3]).any()
     call["g"] = g
-    o_ref, ht_ref, _ = oracle(call)
-    o, ht, _ = run(form, call)
-    close(o, o_ref, tolerance(form))
-    close(ht, ht_ref, tolerance(form))
+    forward_matches_the_recurrence(form, call)
 
 
 def gate_in_kernel_call(seed=4):
@@ -229,30 +237,18 @@ def gate_in_kernel_call(seed=4):
 @pytest.mark.parametrize("form", FORMS)
 def test_gate_in_kernel_with_raw_plus_inf_resets(form):
     """use_gate_in_kernel: a raw g of +inf gives -exp(A_log) * softplus(+inf) = -inf, a reset."""
-    needs_triton(form)
-    call = gate_in_kernel_call()
-    o_ref, ht_ref, _ = oracle(call)
-    o, ht, _ = run(form, call)
-    close(o, o_ref, tolerance(form))
-    close(ht, ht_ref, tolerance(form))
+    forward_matches_the_recurrence(form, gate_in_kernel_call())
 
 
 @pytest.mark.parametrize("form", TRAINABLE)
 def test_gate_in_kernel_with_raw_plus_inf_gradients(form):
     """Every gradient the recurrence's autograd gives finite is matched; dA_log is NaN in both (softplus(+inf)
     times a zero gradient), which docs/semantics.md states."""
-    needs_triton(form)
-    call = gate_in_kernel_call(seed=6)
-    gen = torch.Generator().manual_seed(7)
-    o_ref, ht_ref, _ = oracle(call)
-    grad_out = (torch.randn(o_ref.shape, generator=gen, dtype=torch.float64),
-                torch.randn(ht_ref.shape, generator=gen, dtype=torch.float64))
-    _, _, g_ref = oracle(call, grad_out)
-    _, _, grads = run(form, call, grad_out)
+    grads, g_ref = gradients_of(form, gate_in_kernel_call(seed=6), seed=7)
     finite = [n for n in g_ref if torch.isfinite(g_ref[n]).all()]
     assert set(finite) >= {"q", "k", "v", "g", "beta", "initial_state", "dt_bias"}
     for n in finite:
-        close(grads[n], g_ref[n], tolerance(form) * (30 if form.startswith("triton") else 1))
+        close(grads[n], g_ref[n], gradient_tolerance(form))
     assert torch.isnan(grads["A_log"]).any() and torch.isnan(g_ref["A_log"]).any()
 
 
@@ -284,6 +280,7 @@ def causal_bound(form, t):
     return t if form != "triton-chunk" else t // CHUNK * CHUNK
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")   # NaN arithmetic in the interpreter's numpy
 @pytest.mark.parametrize("form", FORMS)
 def test_non_finite_inputs_poison_only_what_follows(form):
     needs_triton(form)

@@ -21,9 +21,8 @@ from .sizes import cdiv, flat_grid, next_power_of_2
 
 @triton.jit(do_not_specialize=["T", "N0", "N1"])
 def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, N0, N1, scale, H: tl.constexpr,
-                    HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    PREC: tl.constexpr):
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """du = scale (Q K^T (.) D_incl)^T dO per chunk, in parallel: the part of dU that needs no state, kept
     out of the sequential pass to shorten its critical path and its register footprint."""
     i_v, pid_t, i_bh = grid_3d(N0, N1)
