@@ -394,7 +394,7 @@ def _gpu_call(lengths, H, HV, dtype, seed=0):
 def test_gpu_resets_and_causal_nan(backend):
     """Long and short sequences (context parallelism on the long one where the backend takes it), bf16: -inf gates
     reset (outputs as the float64 reference's, to bf16 accuracy), and a NaN v mid-sequence leaves every chunk
-    before its own and every other sequence as the reference has them."""
+    before its own and every other sequence (outputs and final states) as the reference has them."""
     if backend == "tilelang_sm90" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("tilelang_sm90 needs Hopper")
     lengths = [8192, 300, 64, 1000]
@@ -413,5 +413,8 @@ def test_gpu_resets_and_causal_nan(backend):
     assert torch.isfinite(o[:, clean]).all()
     err = (o[:, clean].double() - o_ref[:, clean]).norm() / o_ref[:, clean].norm()
     assert err < 1e-2, f"{backend}: {float(err):.3g}"
-    assert torch.isfinite(ht[1:]).all() and not torch.isfinite(ht[0]).all()
+    assert not torch.isfinite(o[0, bad]).all()   # the bad value reaches its own token's output
+    # (sequence 0's final state may come out finite: under context parallelism a later segment's state may be
+    # warmed up from after the bad chunk, which the rule allows)
+    assert torch.isfinite(ht[1:]).all()
     assert (ht[1:].double() - ht_ref[1:]).norm() / ht_ref[1:].norm() < 1e-2
