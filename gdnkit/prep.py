@@ -10,6 +10,15 @@ import torch.nn.functional as F
 
 CHUNK = 64
 L2NORM_EPS = 1e-6
+# The chunked form's floor on the log-gate g (docs/semantics.md, "Non-finite inputs and gate resets" and
+# "Precision of the chunked form"). g = -inf is a hard reset (exp(g) = 0), but the chunked form works with
+# differences of in-chunk cumulative sums, and -inf - -inf is NaN. Clamped here, a reset keeps exp(-30) ~ 9.4e-14 of
+# the state, below fp32's resolution (2^-24 ~ 6e-8) by six orders of magnitude; and |F| bounds what one token adds
+# to the cumulative sum, so the rounding error of a decay between two tokens is at most ~|F| * eps_fp32 per token at
+# the floor between or before them in the chunk (a spike of -1e4 costs ~1.8e-6 instead of ~6e-4). Gates of
+# ordinary models stay far above it (logsigmoid of a unit normal: > -10 with overwhelming probability), where
+# the clamp is the identity, bit for bit.
+GATE_FLOOR = -30.0
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -22,6 +31,17 @@ def gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> 
     if dt_bias is not None:
         g = g + dt_bias.to(g.dtype)
     return -torch.exp(A_log.to(g.dtype)) * F.softplus(g)
+
+
+def floor_gate(g: torch.Tensor) -> torch.Tensor:
+    """g clamped from below at GATE_FLOOR (the chunked form's log-gates): -inf becomes a reset to within
+    exp(GATE_FLOOR); NaN stays NaN. Its gradient is zero below the floor, where d exp(g) / dg = exp(g) < 1e-13."""
+    return g.clamp_min(GATE_FLOOR)
+
+
+def floor_gate_backward(g: torch.Tensor, dg: torch.Tensor) -> torch.Tensor:
+    """dg w.r.t. floor_gate's input g from dg w.r.t. its output: zero where g was below the floor (or NaN)."""
+    return torch.where(g >= GATE_FLOOR, dg, torch.zeros((), dtype=dg.dtype, device=dg.device))
 
 
 def beta_activation(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:

@@ -47,6 +47,10 @@ def forward(problem: Problem, q, k, g, beta, A_log, dt_bias):
         g = prep.gate(g.float(), A_log.float(), None if dt_bias is None else dt_bias.float())
     else:
         g = g.float()
+    # the chunked kernels' floor on the log-gate (-inf resets would give NaN in their cumulative sums); the
+    # backward zeroes dg below it, from the unclamped gate (the user's tensor itself where it is fp32)
+    stash.update(g_unfloored=g)
+    g = prep.floor_gate(g)
     if problem.use_beta_sigmoid_in_kernel:
         stash.update(beta_raw=beta)
         beta = prep.beta_activation(beta.float(), problem.allow_neg_eigval)
@@ -79,6 +83,7 @@ def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias, qk_norm
     if problem.use_qk_l2norm_in_kernel and not qk_normed:
         dq = _l2norm_backward(stash["q_raw"], stash["q_rstd"], dq)
         dk = _l2norm_backward(stash["k_raw"], stash["k_rstd"], dk)
+    dg = prep.floor_gate_backward(stash["g_unfloored"], dg)
     if problem.use_gate_in_kernel:
         x = stash["g_raw"].float()
         if dt_bias is not None:

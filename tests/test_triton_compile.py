@@ -33,7 +33,8 @@ INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "ne
 # tilelang_sm90's warm-up flags (warmup_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
-INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu", "w0", "n_rows"}
+INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu", "w0", "n_rows",
+               "N0", "N1", "B"}   # the flat grids' logical sizes (_common.grid_2d / grid_3d) and the batch size
 FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128

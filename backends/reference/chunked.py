@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gdnkit.prep import CHUNK
+from gdnkit.prep import CHUNK, floor_gate
 
 
 class ChunkTrace(NamedTuple):
@@ -41,7 +41,41 @@ def chunked_gdn(q, k, v, g, beta, scale: float, h0: torch.Tensor | None = None, 
 
     Padding the tail with g = 0, beta = 0, k = v = 0 leaves the state untouched, so T need not be
     a multiple of the chunk.
+
+    Gates are floored at prep.GATE_FLOOR (g = -inf: a reset). Non-finite inputs stay causal: a token whose
+    k, v, g or beta is not finite (g = -inf excepted) makes the output NaN from that token on and the final
+    state NaN; a non-finite q makes its own output NaN. The products of the chunked form would otherwise spread
+    them to the chunk's earlier rows (0 * NaN), so such tokens enter the computation as zeros and the NaNs are
+    put back afterwards; the ChunkTrace holds the zeroed form's intermediates.
     """
+    g = floor_gate(g)
+    (q, k, v, g, beta), poisoned = _zero_non_finite(q, k, v, g, beta)
+    o, S, trace = _chunked(q, k, v, g, beta, scale, h0, chunk)
+    if poisoned is not None:
+        o_nan, state_nan = poisoned
+        o = torch.where(o_nan[..., None], float("nan"), o)
+        S = torch.where(state_nan[..., None, None], float("nan"), S)
+    return o, S, trace
+
+
+def _zero_non_finite(q, k, v, g, beta):
+    """(the inputs with their non-finite tokens, per (row, value head), zeroed, or as they are where all are finite;
+    None or (o's NaN mask [B, T, HV], the final state's [B, HV])): the state is poisoned from the first token
+    whose k, v, g or beta is not finite, an output also by its own q."""
+    bad_q = ~torch.isfinite(q).all(-1)
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(g) & torch.isfinite(beta))
+    if not (bad | bad_q).any():  # the usual case: the inputs as they are
+        return (q, k, v, g, beta), None
+    state_bad = bad.cumsum(1) > 0
+    # a bad q alone leaves the state's inputs of its token as they are (the state does not read q)
+    q = torch.where((bad | bad_q)[..., None], 0.0, q)
+    k, v = (torch.where(bad[..., None], 0.0, x) for x in (k, v))
+    g, beta = (torch.where(bad, 0.0, x) for x in (g, beta))
+    return (q, k, v, g, beta), (state_bad | bad_q, state_bad[:, -1])
+
+
+def _chunked(q, k, v, g, beta, scale: float, h0, chunk: int):
+    """chunked_gdn on finite inputs (g floored)."""
     B, T, HV, K = k.shape
     V = v.shape[-1]
     C = chunk

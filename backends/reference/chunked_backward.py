@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from gdnkit.prep import floor_gate, floor_gate_backward
+
 from .chunked import CHUNK, _to_chunks, chunked_gdn
 
 
@@ -39,7 +41,9 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
 def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, chunk: int = CHUNK
                          ) -> ChunkGrads:
     """Gradients of chunked_gdn's (o, final state) for the output gradient `do` and final-state gradient
-    `dht` (None: zero). q and k have HV heads (repeat them for GVA), as chunked_gdn takes them."""
+    `dht` (None: zero). q and k have HV heads (repeat them for GVA), as chunked_gdn takes them. Gates below
+    prep.GATE_FLOOR are floored, as chunked_gdn floors them, and get a zero gradient; inputs are finite."""
+    g_unfloored, g = g, floor_gate(g)
     B, T, HV, K = k.shape
     V = v.shape[-1]
     C = chunk
@@ -68,7 +72,8 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
     dU, dX, dhe = torch.stack(dUs, 2), torch.stack(dXs, 2), torch.stack(dhs, 2)   # dhe: dS_end of every chunk
     # everything else per chunk, from h (S0 of every chunk)
     dq, dk, dg, dbeta = chunk_local_grads(qc, kc, vc, doc, bc, gamma, T_m, h, dU, dX, dhe, scale)
-    return ChunkGrads(_from_chunks(dq, T), _from_chunks(dk, T), _from_chunks(dX, T), _from_chunks(dg, T),
+    dg = floor_gate_backward(g_unfloored, _from_chunks(dg, T))
+    return ChunkGrads(_from_chunks(dq, T), _from_chunks(dk, T), _from_chunks(dX, T), dg,
                       _from_chunks(dbeta, T), dS, dU, dhe)
 
 

@@ -23,6 +23,10 @@ from gdnkit.problem import CHUNK_MODE, GDNGrads, GDNInputs, Problem
 
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIM = 128
+# The state passes launch one program per (V tile, value head, sequence) with the sequences on the grid's second
+# or third axis, which CUDA stops at 65535 (the backward's likewise): more sequences go to triton_generic,
+# whose launches take any count (one grid axis).
+MAX_SEQUENCES = 65535
 NEEDS = "a Hopper GPU (compute capability 9.0: wgmma and TMA)"
 
 
@@ -49,6 +53,8 @@ class TileLangSM90Backend(Backend):
             reasons.append(f"built for K = V = {HEAD_DIM} (the Qwen3.5/3.6 shape), got K={problem.K}, V={problem.V}")
         if problem.state_dtype is not None and problem.state_dtype != torch.float32:
             reasons.append(f"initial_state must be float32, got {problem.state_dtype}")
+        if problem.N > MAX_SEQUENCES:
+            reasons.append(f"{problem.N} sequences: the state passes take at most {MAX_SEQUENCES} (a CUDA grid axis)")
         return reasons
 
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):

@@ -17,6 +17,24 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def grid_2d(N0):
+    """(i0, i1) of a program of the logical grid (N0, N1), launched flat (sizes.flat_grid): the hardware's
+    second and third grid axes stop at 65535 programs, too few for N1 = sequences x heads or for the chunks of
+    a long packed batch. i0 varies fastest, as on the hardware's first axis, so programs start in the order a
+    (N0, N1) grid starts them."""
+    pid = tl.program_id(0)
+    return pid % N0, pid // N0
+
+
+@triton.jit
+def grid_3d(N0, N1):
+    """(i0, i1, i2) of a program of the logical grid (N0, N1, N2), launched flat (as grid_2d)."""
+    pid = tl.program_id(0)
+    rest = pid // N0
+    return pid % N0, rest % N1, rest // N1
+
+
+@triton.jit
 def decay(g_rows, g_cols, mask):
     """exp2(g_rows[t] - g_cols[s]) where mask, else 0; masked before the exp2 so it cannot overflow."""
     return tl.exp2(tl.where(mask, g_rows[:, None] - g_cols[None, :], float("-inf")))

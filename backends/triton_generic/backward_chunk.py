@@ -16,16 +16,17 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision
+from ._common import chunk_rows, decay, dot_precision, grid_3d
 from .launch import launch
-from .sizes import cdiv, next_power_of_2
+from .sizes import cdiv, flat_grid, next_power_of_2
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64
 
 
-@triton.jit(do_not_specialize=["T", "J"])
+@triton.jit(do_not_specialize=["T", "J", "N0", "N1", "B"])
 def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale, J,
+                          N0, N1, B,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, IS_VARLEN: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
     """One launch per value head of a key head's group (J = 0 .. HV / H - 1), one program per (K block, chunk,
@@ -33,7 +34,7 @@ def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_s
     the launches in turn (ACCUMULATE: every launch after the first adds to what the earlier ones stored; a
     fixed order, no atomics), so no per-value-head dq / dk exists in memory. dW and the dgamma partials are
     per value head."""
-    i_k, pid_t, i_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, pid_t, i_bk = grid_3d(N0, N1)
     i_b, i_hk = i_bk // H, i_bk % H
     i_h = i_hk * (HV // H) + J
     bos, L, i_t, i_c, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
@@ -104,7 +105,7 @@ def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_s
     tl.store(dk + off, dK, mask=m[:, None])
     M = P * tl.dot(qq, tl.trans(kk), input_precision=PREC)
     dgam += tl.sum(M, 1) - tl.sum(M, 0)
-    tl.store(dgp + i_k * (tl.num_programs(2) // H) * T * HV + (bos + r) * HV + i_h, dgam, mask=m)
+    tl.store(dgp + i_k.to(tl.int64) * B * T * HV + (bos + r) * HV + i_h, dgam, mask=m)
 
 
 def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens, chunk_indices):
@@ -131,8 +132,8 @@ def backward_chunk(q, k, vnew, h, dh, gcum, do, du, scale, T, grid_t, cu_seqlens
     dw = packed_output((B, T, HV, K), cu_seqlens, device=dev, dtype=k.dtype)
     dgp = packed_output((NK, B, T, HV), cu_seqlens, token_dim=2, device=dev, dtype=torch.float32)
     for j in range(HV // H):
-        launch("backward_chunk", q.dtype, backward_chunk_kernel, (NK, grid_t, B * H),
-            q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale, j,
+        launch("backward_chunk", q.dtype, backward_chunk_kernel, flat_grid(NK, grid_t, B * H),
+            q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale, j, NK, grid_t, B,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, ACCUMULATE=j > 0,
             PREC=dot_precision(q.dtype))
     return dq, dk, dw, dgp

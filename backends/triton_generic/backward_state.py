@@ -14,18 +14,18 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision, sequence_bounds, state_tile
+from ._common import chunk_rows, decay, dot_precision, grid_2d, grid_3d, sequence_bounds, state_tile
 from .launch import launch
-from .sizes import cdiv, next_power_of_2
+from .sizes import cdiv, flat_grid, next_power_of_2
 
 
-@triton.jit(do_not_specialize=["T"])
-def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "N0", "N1"])
+def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, N0, N1, scale, H: tl.constexpr,
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """du = scale (Q K^T (.) D_incl)^T dO per chunk, in parallel: the part of dU that needs no state, kept
     out of the sequential pass to shorten its critical path and its register footprint."""
-    i_v, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, pid_t, i_bh = grid_3d(N0, N1)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
@@ -46,12 +46,12 @@ def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H: 
     tl.store(du + off, tl.dot(tl.trans(qk.to(dt)), dd, input_precision=PREC).to(du.dtype.element_ty), mask=mt)
 
 
-@triton.jit(do_not_specialize=["T"])
-def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
+@triton.jit(do_not_specialize=["T", "N0"])
+def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, N0, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                           STATE_V_FIRST: tl.constexpr, STORE_DH: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = grid_2d(N0)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos, L, boh = sequence_bounds(i_n, T, cu_seqlens, chunk_offsets, IS_VARLEN)
     NT = tl.cdiv(L, 64)
@@ -112,9 +112,10 @@ def local_du(q, k, gcum, do, scale, T, grid_t, cu_seqlens, chunk_indices):
     HV, V = do.shape[2], do.shape[3]
     BV = min(64, next_power_of_2(V))
     du = packed_output(do.shape, cu_seqlens, device=q.device, dtype=q.dtype)
-    launch("local_du", q.dtype, local_du_kernel, (cdiv(V, BV), grid_t, B * HV),
-        q, k, gcum, do, du, cu_seqlens, chunk_indices, T, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=BV,
-        IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
+    n_v = cdiv(V, BV)
+    launch("local_du", q.dtype, local_du_kernel, flat_grid(n_v, grid_t, B * HV),
+        q, k, gcum, do, du, cu_seqlens, chunk_indices, T, n_v, grid_t, scale, H=H, HV=HV, K=K, V=V, BK=min(64, K),
+        BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
     return du
 
 
@@ -130,8 +131,9 @@ def backward_state(q, k, w, gcum, do, du, dht, scale, T, N, cu_seqlens, chunk_of
     dh = torch.empty(n_chunks, HV, K, V, device=dev, dtype=k.dtype) if store else None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     dh0 = torch.empty(shape, device=dev, dtype=torch.float32) if want_dh0 else None
-    launch("reverse", k.dtype, backward_state_kernel, (cdiv(V, BV), N * HV),
-        q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, scale,
+    n_v = cdiv(V, BV)
+    launch("reverse", k.dtype, backward_state_kernel, flat_grid(n_v, N * HV),
+        q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, n_v, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None,
         STORE_DH0=want_dh0, STATE_V_FIRST=state_v_first, STORE_DH=store, PREC=dot_precision(k.dtype))
     return dh, du, dh0

@@ -13,23 +13,24 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision
+from ._common import chunk_rows, decay, dot_precision, grid_2d
 from .launch import launch
-from .sizes import next_power_of_2
+from .sizes import flat_grid, next_power_of_2
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64
 BLOCK_V = 64
 
 
-@triton.jit(do_not_specialize=["T", "J"])
+@triton.jit(do_not_specialize=["T", "J", "N0", "B"])
 def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, J,
+                       N0, B,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """One launch per value head of a key head's group (J), one program per (chunk, key head): value head
     i_hk * HV / H + J adds its WY terms to the key head's dk rows in place (dkp: backward_chunk's sum over the
     group, then each launch's in turn: a fixed order, no atomics)."""
-    pid_t, i_bk = tl.program_id(0), tl.program_id(1)
+    pid_t, i_bk = grid_2d(N0)
     i_b, i_hk = i_bk // H, i_bk % H
     i_h = i_hk * (HV // H) + J
     bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
@@ -99,7 +100,7 @@ def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, 
         dgam += s * gam * bt
 
     for i in tl.static_range(NK):
-        dgam += tl.load(dgp + i * (tl.num_programs(1) // H) * T * HV + tok, mask=m, other=0.0)
+        dgam += tl.load(dgp + i * B.to(tl.int64) * T * HV + tok, mask=m, other=0.0)
     dgam = tl.where(m, dgam, 0.0)
     # dg_t = sum_{s >= t} dgamma_s within the chunk
     rc = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam
@@ -126,8 +127,8 @@ def backward_wy(k, v, beta, gcum, tmat, dw, du, dkp, dgp, T, grid_t, cu_seqlens,
     dv = packed_output(v.shape, cu_seqlens, device=dev, dtype=v.dtype)
     dbeta, dg = (packed_output((B, T, HV), cu_seqlens, device=dev, dtype=torch.float32) for _ in range(2))
     for j in range(HV // H):  # the group's value heads in turn, as backward_chunk
-        launch("backward_wy", k.dtype, backward_wy_kernel, (grid_t, B * H),
-            k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, j,
+        launch("backward_wy", k.dtype, backward_wy_kernel, flat_grid(grid_t, B * H),
+            k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, j, grid_t, B,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NK=dgp.shape[0], IS_VARLEN=cu_seqlens is not None,
             PREC=dot_precision(k.dtype))
     return dk, dv, dbeta, dg

@@ -20,9 +20,9 @@ import triton.language as tl
 
 from gdnkit.seqlayout import SequenceLayout
 
-from ._common import CHUNK, state_tile
+from ._common import CHUNK, grid_2d, state_tile
 from .launch import launch
-from .sizes import cdiv, next_power_of_2
+from .sizes import cdiv, flat_grid, next_power_of_2
 
 
 @triton.jit
@@ -39,13 +39,13 @@ def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV: tl.
     return tl.dot(P, S, input_precision=PREC) + E
 
 
-@triton.jit
-def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+@triton.jit(do_not_specialize=["N0"])
+def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, N0, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                         STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr):
     """Forward: S0_{j+1} = P_j S0_j + E_j, storing every S0_j. REVERSE (the backward's dS): walking
     segments last to first, dS_end_{j-1} = P_j^T dS_end_j + F_j, storing every dS_end_j."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = grid_2d(N0)
     i_n, i_h = i_nh // HV, i_nh % HV
     s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
     s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
@@ -63,8 +63,8 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, PREC: tl.constexpr, HV:
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_off, S, mask=mv[None, :])
 
 
-@triton.jit
-def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm, PREC: tl.constexpr,
+@triton.jit(do_not_specialize=["N0"])
+def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm, N0, PREC: tl.constexpr,
                                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                                 HAS_H0: tl.constexpr, REVERSE: tl.constexpr, IN_PLACE: tl.constexpr):
     """tilelang_sm90's graph-safe warm-up route: the scan's states, one program per (segment, head, V tile). Segment
@@ -75,9 +75,9 @@ def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm,
     store where no pair is flagged, where the scan took a dependent step per segment. IN_PLACE (s0 is warm): a
     segment whose state is its own warm state loads and stores nothing; the others write over theirs, which no
     program reads (a program reads warm only at the segment its walk stops at, whose own walk stops at once)."""
-    i_v, i_sh = tl.program_id(0), tl.program_id(1)
+    i_v, i_sh = grid_2d(N0)
     s, i_h = (i_sh // HV).to(tl.int64), i_sh % HV
-    i_n = tl.load(seq_of + s)
+    i_n = tl.load(seq_of + s).to(tl.int64)
     s_begin = tl.load(seg_offsets + i_n).to(tl.int64)
     s_end = tl.load(seg_offsets + i_n + 1).to(tl.int64)
     ck, cv, mv, s_off = state_tile(i_v, K, V, BV, False)
@@ -121,14 +121,14 @@ def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_
     BV = min(16, next_power_of_2(V))
     if need is not None:
         assert not output_final_state and not state_v_first and seq_of is not None
-        launch("segment_scan", aug.dtype, gated_segment_states_kernel, (cdiv(V, BV), n_seg * HV),
-               aug, f, h0, s0, seg_offsets, seq_of, need, warm, PREC=prec, HV=HV, K=K, V=V, BV=BV,
+        launch("segment_scan", aug.dtype, gated_segment_states_kernel, flat_grid(cdiv(V, BV), n_seg * HV),
+               aug, f, h0, s0, seg_offsets, seq_of, need, warm, cdiv(V, BV), PREC=prec, HV=HV, K=K, V=V, BV=BV,
                HAS_H0=h0 is not None, REVERSE=f is not None, IN_PLACE=in_place)
         return s0, None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
-    launch("segment_scan", aug.dtype, segment_scan_kernel, (cdiv(V, BV), N * HV),
-           aug, f, h0, s0, ht, seg_offsets, PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
+    launch("segment_scan", aug.dtype, segment_scan_kernel, flat_grid(cdiv(V, BV), N * HV),
+           aug, f, h0, s0, ht, seg_offsets, cdiv(V, BV), PREC=prec, HV=HV, K=K, V=V, BV=BV, HAS_H0=h0 is not None,
            STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, REVERSE=f is not None)
     return s0, ht
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from gdnkit.problem import GDNInputs, Problem
 
-from .sizes import cdiv, next_power_of_2
+from .sizes import cdiv, flat_grid, next_power_of_2
 
 # State read: none (zeros), row n of a dense [N, ...] tensor, or a pool slot looked up in the indices.
 READ_NONE, READ_DENSE, READ_SLOT = 0, 1, 2
@@ -230,11 +230,11 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
     BV, warps = launch_config(K, V, N * HV)
     BV = block_v or BV
     warps = num_warps or warps
-    grid = N * HV * cdiv(V, BV)
-    if grid == 0:
+    if N * HV == 0:
         return o, ht
+    grid = flat_grid(cdiv(V, BV), N * HV)  # V tiles fastest, as the kernel takes its program id apart
     dummy = o  # never dereferenced: the constexpr flags compile its uses away
-    _gdn_recurrent_kernel[(grid,)](
+    _gdn_recurrent_kernel[grid](
         q, k, v, g, beta,
         A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,

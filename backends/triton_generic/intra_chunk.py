@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision
+from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision, grid_2d
 from .launch import launch
-from .sizes import next_power_of_2
+from .sizes import flat_grid, next_power_of_2
 
 
 @triton.jit
@@ -28,13 +28,13 @@ def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
     return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
-@triton.jit(do_not_specialize=["T"])
-def kkt_kernel(k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "N0"])
+def kkt_kernel(k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, N0, H: tl.constexpr, HV: tl.constexpr,
                K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, CUMSUM: tl.constexpr,
                PREC: tl.constexpr):
     """gamma (stored as gcum, log2 units, when CUMSUM; else read from it) and
     A = strictly_lower(diag(beta) (K K^T (.) D)), one 64 x 64 product per chunk, stored fp32 (rows < L)."""
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    pid_t, i_bh = grid_2d(N0)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
@@ -90,13 +90,13 @@ def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
     tl.store(p + 48, b3.to(dt), mask=m[:, None])
 
 
-@triton.jit(do_not_specialize=["T"])
-def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "N0"])
+def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, N0, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """One diagonal 16 x 16 block of a chunk's A per program (grid: 4 x chunks, B*HV), replaced in place by its
     inverse (I + A_bb)^-1 (rows < L). The substitution is a chain of dependent loads, so its speed is how many
     chains an SM runs at once: one warp per program, where one 8-warp program walked all four blocks in turn
     (H200, 16/64 1x32768: 1.95 ms for that solve)."""
-    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    pid, i_bh = grid_2d(N0)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, _, _, _ = chunk_rows(pid // 4, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     ab = a + (bos * HV + i_h) * 64
@@ -106,12 +106,12 @@ def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VA
     tl.store(ab + rows[:, None] * (HV * 64) + col0 + tl.arange(0, 16)[None, :], inv, mask=(rows < L)[:, None])
 
 
-@triton.jit(do_not_specialize=["T"])
-def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "N0"])
+def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, N0, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """T = (I + A)^-1 per chunk from A whose diagonal blocks diag_inverse_kernel replaced by their inverses
     T_ii: the rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (fp32 products). Rows of
     T_ii past L read as 0 (not the identity's): they meet only A's columns past L, which are 0."""
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    pid_t, i_bh = grid_2d(N0)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, _, _, _ = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     ab = a + (bos * HV + i_h) * 64
@@ -139,14 +139,14 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, IS_VAR
     _store_band(tb, r3, r3 < L, t30, t31, t32, t33, HV)
 
 
-@triton.jit(do_not_specialize=["T"])
-def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T,
+@triton.jit(do_not_specialize=["T", "N0"])
+def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, N0,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                SPLIT_U: tl.constexpr):
     """W = T diag(beta Gamma) K and U' = T diag(beta) V from the stored T (tmat) and gamma (gcum): the
     forward's third launch, and the backward's recomputation of W and U' from a T the forward kept."""
-    pid_t, i_bh = tl.program_id(0), tl.program_id(1)
+    pid_t, i_bh = grid_2d(N0)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, _, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
@@ -194,26 +194,27 @@ def intra_chunk(k, v, g, beta, T, grid_t, cu_seqlens, chunk_indices, gcum=None, 
     B, _, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
-    grid = (grid_t, B * HV)
+    grid = flat_grid(grid_t, B * HV)
     if tmat is None:
         cumsum = gcum is None
         if cumsum:
             gcum = torch.empty(B, T, HV, device=k.device, dtype=torch.float32)
         a = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=torch.float32)
-        launch("kkt", k.dtype, kkt_kernel, grid, k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K,
-               BK=min(64, K), IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype))
+        launch("kkt", k.dtype, kkt_kernel, grid, k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, grid_t, H=H,
+               HV=HV, K=K, BK=min(64, K), IS_VARLEN=varlen, CUMSUM=cumsum, PREC=dot_precision(k.dtype))
         # T in the inputs' dtype, as its products use it; fp32 inputs keep it fp32
         tmat = torch.empty(B, T, HV, CHUNK, device=k.device, dtype=k.dtype)
-        launch("diag_inverse", k.dtype, diag_inverse_kernel, (4 * grid_t, B * HV), a, cu_seqlens, chunk_indices, T,
-               HV=HV, IS_VARLEN=varlen)
-        launch("solve", k.dtype, solve_kernel, grid, a, tmat, cu_seqlens, chunk_indices, T, HV=HV, IS_VARLEN=varlen)
+        launch("diag_inverse", k.dtype, diag_inverse_kernel, flat_grid(4 * grid_t, B * HV), a, cu_seqlens,
+               chunk_indices, T, 4 * grid_t, HV=HV, IS_VARLEN=varlen)
+        launch("solve", k.dtype, solve_kernel, grid, a, tmat, cu_seqlens, chunk_indices, T, grid_t, HV=HV,
+               IS_VARLEN=varlen)
         del a
     assert gcum is not None
     if not wu:
         return gcum, tmat, None, None
     w = torch.empty(B, T, HV, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, HV, V, device=k.device, dtype=k.dtype)
-    launch("w_u", k.dtype, w_u_kernel, grid, k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, H=H, HV=HV,
-           K=K, V=V, BK=min(64, K), BV=min(64, next_power_of_2(V)), IS_VARLEN=varlen,
+    launch("w_u", k.dtype, w_u_kernel, grid, k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, grid_t,
+           H=H, HV=HV, K=K, V=V, BK=min(64, K), BV=min(64, next_power_of_2(V)), IS_VARLEN=varlen,
            PREC=dot_precision(k.dtype), SPLIT_U=precise_u and k.dtype != torch.float32)
     return gcum, tmat, w, u

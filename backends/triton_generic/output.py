@@ -8,9 +8,9 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision
+from ._common import chunk_rows, decay, dot_precision, grid_3d
 from .launch import launch
-from .sizes import cdiv, next_power_of_2
+from .sizes import cdiv, flat_grid, next_power_of_2
 
 # V columns per program; every program also forms its chunk's Q K^T, so wider blocks form it fewer times.
 # 128 at 4 warps: 16/64 1x32768 1.49 -> 1.04 ms against 64 (H200, docs/performance.md); at 2 warps 128
@@ -18,11 +18,11 @@ from .sizes import cdiv, next_power_of_2
 BLOCK_V = 128
 
 
-@triton.jit(do_not_specialize=["T"])
-def output_kernel(q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
+@triton.jit(do_not_specialize=["T", "N0", "N1"])
+def output_kernel(q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, N0, N1, scale,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    i_v, pid_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, pid_t, i_bh = grid_3d(N0, N1)
     i_b, i_h = i_bh // HV, i_bh % HV
     bos, L, i_t, i_c, r, m = chunk_rows(pid_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     i_hk = i_h // (HV // H)
@@ -59,7 +59,8 @@ def output(q, k, vnew, h, gcum, scale, T, grid_t, cu_seqlens, chunk_indices):
     BK = min(64, K)
     BV = min(BLOCK_V, next_power_of_2(V))
     o = packed_output(vnew.shape, cu_seqlens, device=vnew.device, dtype=vnew.dtype)
-    launch("output", q.dtype, output_kernel, (cdiv(V, BV), grid_t, B * HV),
-        q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, scale,
+    n_v = cdiv(V, BV)
+    launch("output", q.dtype, output_kernel, flat_grid(n_v, grid_t, B * HV),
+        q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, n_v, grid_t, scale,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None, PREC=dot_precision(q.dtype))
     return o

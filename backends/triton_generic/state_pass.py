@@ -16,19 +16,20 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import decay, dot_precision, sequence_bounds, state_tile
+from ._common import decay, dot_precision, grid_2d, sequence_bounds, state_tile
 from .launch import launch
-from .sizes import cdiv
+from .sizes import cdiv, flat_grid
 
 
-@triton.jit(do_not_specialize=["T"])
-def state_pass_kernel(q, k, w, u, v, beta, tmat, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, scale,
+@triton.jit(do_not_specialize=["T", "N0"])
+def state_pass_kernel(q, k, w, u, v, beta, tmat, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, N0,
+                      scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                       STATE_V_FIRST: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
                       FUSE_OUTPUT: tl.constexpr, PROPAGATOR: tl.constexpr, U_ON_CHIP: tl.constexpr,
                       PREC: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = grid_2d(N0)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos, L, boh = sequence_bounds(i_n, T, cu_seqlens, chunk_offsets, IS_VARLEN)
     NT = tl.cdiv(L, 64)
@@ -122,9 +123,10 @@ def state_pass(q, k, values, gcum, scale, h0, T, N, cu_seqlens, chunk_offsets, n
         assert h0 is None and not (fuse_output or store_h or store_vnew)
         ht = torch.empty(N, HV, K, V + K, device=dev, dtype=torch.float32)
         columns = V + K
-    launch("fused" if fuse_output else "state", k.dtype, state_pass_kernel, (cdiv(columns, BV), N * HV),
+    n_v = cdiv(columns, BV)
+    launch("fused" if fuse_output else "state", k.dtype, state_pass_kernel, flat_grid(n_v, N * HV),
         q, k, values.w, values.u, values.v, values.beta, values.tmat, gcum, h, vnew, o, h0, ht, cu_seqlens,
-        chunk_offsets, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None,
+        chunk_offsets, T, n_v, scale, H=H, HV=HV, K=K, V=V, BV=BV, IS_VARLEN=cu_seqlens is not None,
         HAS_H0=h0 is not None, STORE_HT=output_final_state, STATE_V_FIRST=state_v_first, STORE_H=store_h,
         STORE_VNEW=store_vnew, FUSE_OUTPUT=fuse_output, PROPAGATOR=propagator, U_ON_CHIP=values.v is not None,
         PREC=dot_precision(k.dtype))
