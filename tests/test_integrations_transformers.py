@@ -103,7 +103,7 @@ def test_modules_found_cover_the_qwen_models():
 
 def test_logits_and_parameter_gradients(model):
     module, m = model
-    ids = _ids(2, 37, seed=2)
+    ids = _ids(2, 24, seed=2)
 
     def run():
         m.zero_grad(set_to_none=True)
@@ -132,11 +132,11 @@ def test_logits_and_parameter_gradients(model):
 @pytest.mark.parametrize("left_padding", [False, True])
 def test_greedy_generate_uses_the_recurrent_path(model, left_padding):
     module, m = model
-    ids = _ids(2, 11, seed=3)
+    ids = _ids(2, 8, seed=3)
     mask = torch.ones_like(ids)
     if left_padding:
-        ids[0, :4], mask[0, :4] = 0, 0
-    new = 6
+        ids[0, :3], mask[0, :3] = 0, 0
+    new = 4
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
               pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     with torch_fallback(module), torch.no_grad():
