@@ -103,7 +103,8 @@ def _fla_hints(state_v_first, cu_seqlens, hints):
     """The FLA keywords gdnkit only reads as hints: the state_v_first they imply (FLA's deprecated
     transpose_state_layout), after rejecting those that would change the result."""
     for name, reason in _UNIMPLEMENTED_HINTS.items():
-        if hints.get(name) not in (None, False):
+        value = hints.get(name)
+        if value is not None and value is not False:
             raise ValueError(reason)
     if "transpose_state_layout" in hints:
         if state_v_first:
