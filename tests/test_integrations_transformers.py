@@ -225,3 +225,22 @@ def test_plain_swap_of_the_functions(model):
         module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule = saved
     _close(got, want)
     assert steps.shape == (2, 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 32), (16, 64)])
+def test_qwen3_5_shaped_stack_matches_fla_on_gpu(heads):
+    """Real head configurations (K = V = 128, bf16) under enable(): logits and every parameter's gradient against the
+    same model on FLA's kernels (transformers' own choice there), and greedy tokens; the speed side is
+    benchmarks/transformers_e2e.py."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("fla")
+    from gdnkit.benchmarks.transformers_e2e import measure
+
+    row = measure(*heads, prompt=512, new=8, batch=2, repeats=1, train_tokens=512)
+    assert row["fla_is_baseline"], "transformers does not pick FLA's kernels here: nothing to compare against"
+    assert row["fla_run_gdnkit_calls"] == {}
+    assert row["gdnkit_calls"]["chunk_gated_delta_rule"] >= 3 and row["gdnkit_calls"][RECURRENT] >= 3
+    assert row["logits_rel_err"] < 2e-2, row
+    assert row["grad_rel_err_max"] < 5e-2, row
