@@ -111,7 +111,9 @@ def _fla_hints(state_v_first, cu_seqlens, hints):
             raise ValueError("pass state_v_first or its deprecated FLA name transpose_state_layout, not both")
         state_v_first = bool(hints["transpose_state_layout"])
     host = hints.get("cu_seqlens_cpu")
-    if host is not None and cu_seqlens is not None and cu_seqlens.device.type != "cpu":
+    # (under torch.compile the op's eager kernel reads cu_seqlens itself: host-side caching is not traceable)
+    if host is not None and cu_seqlens is not None and cu_seqlens.device.type != "cpu" \
+            and not torch.compiler.is_compiling():
         seqlayout.remember_host_offsets(cu_seqlens, host)
     return state_v_first
 

@@ -9,7 +9,8 @@ layers look those names up on every call, so rebinding them in the modeling modu
 all three routes, on every device, without touching a model: that is what `enable()` does. The modules are found
 by reading which modeling files define the two names, and imported (so a model loaded later is covered too).
 
-`calls` counts the calls gdnkit served, per function; a debug-level log line names the first call of each.
+`calls` counts the calls gdnkit served, per function (eager calls; a compiled model's are one gdnkit op each in
+its graph); a debug-level log line names the first call of each.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import importlib
 import importlib.util
 import logging
 import pathlib
+
+import torch
 
 import gdnkit
 
@@ -33,6 +36,8 @@ _originals: dict[tuple[str, str], object] = {}  # (module name, attribute) -> wh
 
 
 def _count(name: str) -> None:
+    if torch.compiler.is_compiling():  # a compiled model traces each call once; counting is for eager runs
+        return
     if not calls[name]:
         log.debug("gdnkit computes transformers' %s", name)
     calls[name] += 1
