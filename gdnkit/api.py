@@ -32,6 +32,10 @@ _ARGS_DOC = """
         cu_seqlens: [N+1] int offsets packing N sequences along T (B must be 1). Tokens past cu_seqlens[-1]
             belong to no sequence: their output is zero and they get zero gradient.
         backend: force a backend by name ("reference", ...); default: GDNKIT_BACKEND, else auto.
+        FLA's other arguments are taken as FLA takes them: cu_seqlens_cpu (a host copy of cu_seqlens, read
+            instead of the device tensor), chunk_indices, chunk_size, head_first=False, transpose_state_layout
+            (state_v_first's old name) and keywords FLA ignores (use_cache, ...); gk, gv, cp_context and
+            head_first=True raise ValueError (not implemented).
 
     Returns:
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state or None.
