@@ -13,8 +13,8 @@ second-order gradient through it raises, as the eager Function does.
 The serving interface (ssm_state_indices: in-place writes into a state pool, index values checked on the host)
 is not an op: it stays a graph break, as in eager engines that wrap their whole decode step in their own op.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch.library reads the ops' schemas from real annotation objects
+# (torch before 2.5 rejects string annotations).
 from typing import Optional
 
 import torch
