@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -70,13 +71,17 @@ def gdn_modules() -> list[str]:
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("gdnkit.integrations.transformers needs transformers (pip install 'transformers>=5.17')")
+    return [name for root in spec.submodule_search_locations for name in _defining_modules(root)]
+
+
+@functools.lru_cache(maxsize=None)
+def _defining_modules(root: str) -> tuple[str, ...]:
     found = []
-    for root in spec.submodule_search_locations:
-        for path in sorted(pathlib.Path(root, "models").glob("*/modeling_*.py")):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if any(f"def {name}(" in text for name in _TARGETS):
-                found.append(f"transformers.models.{path.parent.name}.{path.stem}")
-    return found
+    for path in sorted(pathlib.Path(root, "models").glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if any(f"def {name}(" in text for name in _TARGETS):
+            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return tuple(found)
 
 
 def enable() -> list[str]:
