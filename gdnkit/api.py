@@ -82,8 +82,9 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
 
 # Eager calls run here, outside Dynamo: dispatch's machine probe and the backends' host-side planning
 # (cu_seqlens reads, cached layouts, TileLang launches) are not traceable. Under torch.compile the public
-# functions call the gdnkit:: custom ops instead (gdnkit.integrations.torch_compile), which run this same
-# function as their kernel; only a serving call (in-place pool writes) still reaches it as a graph break.
+# functions call the gdnkit:: custom ops instead (gdnkit.integrations.torch_compile), whose kernels run _prepare
+# and the chosen backend as this does; only a serving call (in-place pool writes) still reaches here as a graph
+# break.
 @torch.compiler.disable
 def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
     chosen, problem, inputs = _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend,

@@ -101,12 +101,12 @@ def test_fake_shapes_without_values():
         g, beta = torch.empty(1, 50, 4), torch.empty(1, 50, 4)
         cu = torch.empty(4, dtype=torch.int32)
         o, ht = torch.ops.gdnkit.chunk_gated_delta_rule(q, k, v, g, beta, None, None, None, cu, None, True, False,
-                                                        False, False, False, True, None)
+                                                        False, False, False, True, None, False)
         assert o.shape == v.shape and o.dtype == v.dtype
         assert ht.shape == (3, 4, 8, 16) and ht.dtype == torch.float64
         o, ht = torch.ops.gdnkit.fused_recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, None, None,
                                                                   None, None, 0.5, False, False, False, False, False,
-                                                                  False, None)
+                                                                  False, None, False)
         assert o.shape == v.shape and ht.numel() == 0
 
 

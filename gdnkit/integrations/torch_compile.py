@@ -1,8 +1,9 @@
 """The two calls as torch.library custom ops, so torch.compile sees one node per call instead of a graph break.
 
 The public functions route here only while Dynamo traces (torch.compiler.is_compiling()); eager calls go
-straight to gdnkit.api._call, which keeps the eager path free of the op dispatcher's overhead. The op's kernel is
-that same eager call, so a compiled model runs exactly what eager runs. Shapes come from the fake impl without
+straight to gdnkit.api._call, which keeps the eager path free of the op dispatcher's overhead. The op's kernel runs
+what an eager call runs (validation, dispatch, the chosen backend's forward for the same needs_grad), so a compiled
+model computes exactly what eager computes. Shapes come from the fake impl without
 reading any tensor (cu_seqlens gives N by its length), so varying T or cu_seqlens does not recompile.
 
 Backward: the backends keep arbitrary Python objects between forward and backward (host-side plans), which a
@@ -47,16 +48,20 @@ def _define(mode: str):
                 dt_bias: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: Optional[float],
                 output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
                 use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, state_v_first: bool,
-                backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        o, ht = _api._call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
-                           **_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
-                                      use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens))
+                backend: Optional[str], needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # Autograd is off inside an op, so whether gradients will be wanted comes as an argument: a backend may
+        # take another forward path for training (triton_generic's recurrent call runs the chunked kernels).
+        chosen, problem, inputs = _api._prepare(
+            mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, needs_grad=needs_grad,
+            **_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval, state_v_first, cu_seqlens))
+        o, ht, _ = (chosen.chunk_forward if mode == CHUNK_MODE else chosen.recurrent_forward)(problem, inputs)
         return o, (_no_state(v) if ht is None else ht)
 
     @forward.register_fake
     def _(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, output_final_state,
           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
-          backend):
+          backend, needs_grad):
         if not output_final_state:
             return torch.empty_like(v), _no_state(v)
         N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -92,14 +97,14 @@ def _define(mode: str):
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:9])
-        ctx.options = inputs[9:]
+        ctx.options = inputs[9:-1]  # (needs_grad, last, is not the backward op's)
 
     def derivative(ctx, do, dht):
         saved = ctx.saved_tensors
         grads = iter(backward(do, dht, *saved, *ctx.options))
         present = [next(grads) if t is not None else None for t in saved[:8]]
-        # One gradient per forward argument: the eight tensors, then none for cu_seqlens and the options.
-        return (*present, None, *(None,) * len(ctx.options))
+        # One gradient per forward argument: the eight tensors, then none for cu_seqlens, the options, needs_grad.
+        return (*present, None, *(None,) * len(ctx.options), None)
 
     forward.register_autograd(derivative, setup_context=setup_context)
     return forward
@@ -132,8 +137,10 @@ def call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backe
          use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
          cu_seqlens):
     """The public functions' path under torch.compile: (o, final_state or None), as eager returns."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     o, ht = _OPS[mode](q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                        None if scale is None else float(scale), bool(output_final_state),
                        bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
-                       bool(allow_neg_eigval), bool(state_v_first), backend)
+                       bool(allow_neg_eigval), bool(state_v_first), backend, needs_grad)
     return o, (ht if output_final_state else None)
