@@ -1,15 +1,18 @@
 """The public calls: thin, documented, FLA 0.6.0-compatible.
 
 Every call validates its arguments (gdnkit.problem), lets dispatch choose a backend, and runs it
-through one autograd Function. Arguments after `output_final_state` are keyword-only: FLA orders
-them differently between its own functions, so a positional call that meant one thing there fails
-loudly here instead of silently meaning another.
+through one autograd Function. Each function takes its FLA 0.6 namesake's arguments by the same names
+and positions, plus the hints FLA tolerates; where FLA's two functions order their arguments
+differently (fused_recurrent's gk, gv before beta), the fifth argument's shape says which order a
+positional call was written in, so no call means something else here than there.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from gdnkit import autograd, dispatch
+from gdnkit import autograd, dispatch, seqlayout
 from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs
 
 _ARGS_DOC = """
@@ -29,6 +32,10 @@ _ARGS_DOC = """
         cu_seqlens: [N+1] int offsets packing N sequences along T (B must be 1). Tokens past cu_seqlens[-1]
             belong to no sequence: their output is zero and they get zero gradient.
         backend: force a backend by name ("reference", ...); default: GDNKIT_BACKEND, else auto.
+        FLA's other arguments are taken as FLA takes them: cu_seqlens_cpu (a host copy of cu_seqlens, read
+            instead of the device tensor), chunk_indices, chunk_size, head_first=False, transpose_state_layout
+            (state_v_first's old name) and keywords FLA ignores (use_cache, ...); gk, gv, cp_context and
+            head_first=True raise ValueError (not implemented).
 
     Returns:
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state or None.
@@ -54,41 +61,129 @@ _SERVING_DOC = """
 """
 
 
-# Under torch.compile the call is opaque (a graph break), as FLA's is: Dynamo would otherwise trace into dispatch's
-# machine probe and the backends' host-side planning (cu_seqlens reads, cached layouts), which it cannot keep
-# correct across calls, and TileLang launches it cannot trace at all.
-@torch.compiler.disable
-def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
+def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, needs_grad=None,
+             **options):
+    """Validate, pick a backend and make layouts plain: everything before a kernel runs.
+
+    needs_grad overrides what validation reads from requires_grad (gdnkit.integrations.torch_compile's backward
+    op runs where autograd is off but needs a backend that has a backward)."""
     problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state,
                                       **options)
+    if needs_grad is not None:
+        problem = dataclasses.replace(problem, needs_grad=needs_grad)
     chosen, _ = dispatch.select(problem, backend)
     # Kernels index raw memory; the reference does not care. One place makes layouts plain. A serving
     # pool is written in place, so it is never copied (validation checked its slots are contiguous).
     keep = ("initial_state",) if problem.serving else ()
     inputs = inputs._replace(**{name: t.contiguous() for name, t in inputs._asdict().items()
                                 if t is not None and name not in keep})
+    return chosen, problem, inputs
+
+
+# Eager calls run here, outside Dynamo: dispatch's machine probe and the backends' host-side planning
+# (cu_seqlens reads, cached layouts, TileLang launches) are not traceable. Under torch.compile the public
+# functions call the gdnkit:: custom ops instead (gdnkit.integrations.torch_compile), whose kernels run _prepare
+# and the chosen backend as this does; only a serving call (in-place pool writes) still reaches here as a graph
+# break.
+@torch.compiler.disable
+def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
+    chosen, problem, inputs = _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
+                                       **options)
     return autograd.run(chosen, problem, inputs)
+
+
+# FLA's functions take keywords they only read as hints, and ignore any they do not know (transformers passes
+# its own, such as use_cache); the same call must work here. These are the ones that mean something.
+_UNIMPLEMENTED_HINTS = {
+    "head_first": "head_first=True ([B, H, T, ...] inputs) was removed from FLA and is not implemented; "
+                  "pass [B, T, H, ...] tensors",
+    "gk": "gk (a per-key decay [B, T, HV, K]) is not implemented by gdnkit; only the scalar decay g [B, T, HV]",
+    "gv": "gv (a per-value decay [B, T, HV, V]) is not implemented by gdnkit; only the scalar decay g [B, T, HV]",
+    "cp_context": "cp_context (FLA's multi-device context parallelism) is not implemented by gdnkit; "
+                  "pass cp_context=None (gdnkit splits long sequences on one device itself)",
+}
+
+
+def _fla_hints(state_v_first, cu_seqlens, hints):
+    """The FLA keywords gdnkit only reads as hints: the state_v_first they imply (FLA's deprecated
+    transpose_state_layout), after rejecting those that would change the result."""
+    for name, reason in _UNIMPLEMENTED_HINTS.items():
+        value = hints.get(name)
+        if value is not None and value is not False:
+            raise ValueError(reason)
+    if "transpose_state_layout" in hints:
+        if state_v_first:
+            raise ValueError("pass state_v_first or its deprecated FLA name transpose_state_layout, not both")
+        state_v_first = bool(hints["transpose_state_layout"])
+    host = hints.get("cu_seqlens_cpu")
+    # (under torch.compile the op's eager kernel reads cu_seqlens itself: host-side caching is not traceable)
+    if host is not None and cu_seqlens is not None and cu_seqlens.device.type != "cpu" \
+            and not torch.compiler.is_compiling():
+        seqlayout.remember_host_offsets(cu_seqlens, host)
+    return state_v_first
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, scale: float | None = None,
-                           initial_state: torch.Tensor | None = None, output_final_state: bool = False, *,
-                           use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-                           A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                           use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-                           state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           backend: str | None = None):
-    """The gated delta rule over whole sequences (prefill and training), chunked."""
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                           use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                           allow_neg_eigval: bool = False, state_v_first: bool = False,
+                           cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
+                           chunk_indices: torch.Tensor | None = None, cp_context=None, *,
+                           use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+                           dt_bias: torch.Tensor | None = None, backend: str | None = None, **hints):
+    """The gated delta rule over whole sequences (prefill and training), chunked.
+
+    Positional arguments follow FLA 0.6's chunk_gated_delta_rule exactly.
+    """
+    if cu_seqlens_cpu is not None or cp_context is not None or hints:
+        state_v_first = _fla_hints(state_v_first, cu_seqlens,
+                                   dict(hints, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context))
+    if torch.compiler.is_compiling():
+        return torch_compile.call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
+                                  use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                  use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
     return _call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
 
 
-def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                     beta: torch.Tensor, scale: float | None = None,
+# FLA 0.6 puts gk and gv before beta; gdnkit (as FLA before 0.6, vLLM and the chunked call) puts beta fifth.
+# The fifth positional argument tells the two apart: beta is [B, T, HV], gk is None or [B, T, HV, K].
+_RECURRENT_FLA_ORDER = ("gk", "gv", "beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+                        "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                        "state_v_first", "cu_seqlens")
+_RECURRENT_ORDER = ("beta", "scale", "initial_state", "output_final_state")
+
+
+def _recurrent_positional(args, named):
+    """Bind positional arguments past g in whichever order they were written; `named` holds the keywords."""
+    fla_order = not (isinstance(args[0], torch.Tensor) and args[0].dim() == 3)
+    order = _RECURRENT_FLA_ORDER if fla_order else _RECURRENT_ORDER
+    if len(args) > len(order):
+        form = ("FLA 0.6's (q, k, v, g, gk, gv, beta, ...)" if fla_order else
+                "(q, k, v, g, beta, scale, initial_state, output_final_state), after which arguments are "
+                "keyword-only")
+        raise TypeError(f"fused_recurrent_gated_delta_rule takes at most {4 + len(order)} positional arguments in "
+                        f"the order {form}; got {4 + len(args)}")
+    for name, value in zip(order, args):
+        if named[name] is not _DEFAULTS[name]:
+            raise TypeError(f"fused_recurrent_gated_delta_rule got multiple values for argument {name!r}")
+        named[name] = value
+    return named
+
+
+_DEFAULTS = dict(gk=None, gv=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None)
+
+
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     g: torch.Tensor | None = None, *args,
+                                     beta: torch.Tensor | None = None, scale: float | None = None,
                                      initial_state: torch.Tensor | None = None,
-                                     output_final_state: bool = False, *,
+                                     output_final_state: bool = False,
                                      use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                                      use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
@@ -96,14 +191,59 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      ssm_state_indices: torch.Tensor | None = None,
                                      num_accepted_tokens: torch.Tensor | None = None,
                                      inplace_final_state: bool | None = None,
-                                     backend: str | None = None):
-    """The gated delta rule token by token (decode and short inputs); same semantics as the chunked call."""
+                                     backend: str | None = None, **hints):
+    """The gated delta rule token by token (decode and short inputs); same semantics as the chunked call.
+
+    Positional: (q, k, v, g, beta, scale, initial_state, output_final_state), or FLA 0.6's order
+    (q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, ...),
+    recognised by its fifth argument (None or a [B, T, HV, K] gk, where beta is [B, T, HV]).
+    g=None means no decay and beta=None a write strength of 1, as in FLA.
+    """
+    if args and beta is None and scale is None and initial_state is None and output_final_state is False \
+            and len(args) <= 4 and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+        # (q, k, v, g, beta, ...) written positionally, the common form, bound without the general path's dicts
+        beta, scale, initial_state, output_final_state = args + (None, None, None, False)[len(args):]
+        args = ()
+    if args:
+        named = _recurrent_positional(args, dict(
+            gk=hints.pop("gk", None), gv=hints.pop("gv", None), beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens))
+        hints.update(gk=named.pop("gk"), gv=named.pop("gv"))
+        return fused_recurrent_gated_delta_rule(q, k, v, g, **named, ssm_state_indices=ssm_state_indices,
+                                                num_accepted_tokens=num_accepted_tokens,
+                                                inplace_final_state=inplace_final_state, backend=backend, **hints)
+    if hints:
+        state_v_first = _fla_hints(state_v_first, cu_seqlens, hints)
+    if g is None or beta is None:
+        g, beta = _fla_defaults(q, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+    if torch.compiler.is_compiling() and ssm_state_indices is None:
+        return torch_compile.call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                  backend, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                  use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
     return _call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                  inplace_final_state=inplace_final_state)
+
+
+def _fla_defaults(q, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
+    """FLA's fused_recurrent without g (no decay) or beta (write strength 1), as the tensors meaning that."""
+    if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor) or v.dim() != 4:
+        return g, beta  # validation names the bad argument
+    if g is None:
+        if use_gate_in_kernel:
+            raise ValueError("use_gate_in_kernel=True computes the decay from the raw gate g; got g=None")
+        g = v.new_zeros(v.shape[:3], dtype=torch.float32)
+    if beta is None:
+        if use_beta_sigmoid_in_kernel:
+            raise ValueError("use_beta_sigmoid_in_kernel=True takes beta as logits; got beta=None")
+        beta = v.new_ones(v.shape[:3])
+    return g, beta
 
 
 # A string expression after the signature is no docstring: the shared argument text is appended here.
@@ -127,3 +267,7 @@ def available_backends() -> list[str]:
     """Names of the backends that can run on this machine (each still checks every problem)."""
     machine = dispatch.machine()
     return [b.name for b in dispatch.backends() if not b.unavailable_reasons(machine)]
+
+
+# The custom ops call _call; imported last because they reach it through this module.
+from gdnkit.integrations import torch_compile  # noqa: E402

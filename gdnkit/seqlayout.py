@@ -220,3 +220,18 @@ def seq_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of every sequence, from the layout (so with sequence_layout's device check)."""
     offsets = sequence_layout(cu_seqlens).offsets
     return list(zip(offsets[:-1], offsets[1:]))
+
+
+def remember_host_offsets(cu_seqlens: torch.Tensor, host: torch.Tensor | list[int] | tuple[int, ...]) -> None:
+    """Take a caller's host copy of cu_seqlens (FLA's cu_seqlens_cpu) instead of reading the device tensor.
+
+    The caller vouches that `host` holds cu_seqlens' values, as FLA's callers do; a mismatched length is
+    rejected. Nothing happens for a tensor already known.
+    """
+    if any(e.tensor is cu_seqlens and e.version == cu_seqlens._version for e in _entries):
+        return
+    offsets = tuple(int(x) for x in (host.tolist() if isinstance(host, torch.Tensor) else host))
+    if len(offsets) != cu_seqlens.numel():
+        raise ValueError(f"cu_seqlens_cpu must hold the {cu_seqlens.numel()} offsets of cu_seqlens, got {len(offsets)}")
+    _entries.append(_Entry(cu_seqlens, cu_seqlens._version, offsets))
+    del _entries[:-CACHED_TENSORS]
