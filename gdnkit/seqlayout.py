@@ -159,12 +159,17 @@ def _cached_offsets(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], bool]:
         raise RuntimeError("cu_seqlens is new to gdnkit while a CUDA graph is being captured: reading its offsets "
                            "would break the capture. Call once with this same tensor before capturing.")
     offsets = tuple(cu_seqlens.tolist())
+    _remember(cu_seqlens, version, offsets)
+    return offsets, False
+
+
+def _remember(cu_seqlens: torch.Tensor, version: int | None, offsets: tuple[int, ...]) -> None:
+    """Keep `offsets` as the CUDA tensor's values at `version`, in place of any older entry of its memory."""
     _entries[:] = [e for e in _entries if not e.holds(cu_seqlens)]
     base = cu_seqlens if cu_seqlens._base is None else cu_seqlens._base
     _entries.append(_Entry(weakref.ref(base), cu_seqlens.data_ptr(), cu_seqlens.numel(),
                            cu_seqlens.stride(0), cu_seqlens.dtype, version, offsets))
     del _entries[:-CACHED_TENSORS]
-    return offsets, False
 
 
 def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
@@ -223,15 +228,19 @@ def seq_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def remember_host_offsets(cu_seqlens: torch.Tensor, host: torch.Tensor | list[int] | tuple[int, ...]) -> None:
-    """Take a caller's host copy of cu_seqlens (FLA's cu_seqlens_cpu) instead of reading the device tensor.
+    """Take a caller's host copy of cu_seqlens (FLA's cu_seqlens_cpu) instead of reading the CUDA tensor (a sync).
 
-    The caller vouches that `host` holds cu_seqlens' values, as FLA's callers do; a mismatched length is
-    rejected. Nothing happens for a tensor already known.
+    The copy stands in for a read and is checked like one: every chunked call that uses it enqueues the
+    device-side comparison with the tensor (module doc), so a copy that disagrees asserts rather than computing
+    with wrong offsets. A CPU tensor is read every call anyway, and nothing is remembered while a CUDA graph is
+    being captured. A copy of the wrong length is rejected.
     """
-    if any(e.tensor is cu_seqlens and e.version == cu_seqlens._version for e in _entries):
-        return
     offsets = tuple(int(x) for x in (host.tolist() if isinstance(host, torch.Tensor) else host))
     if len(offsets) != cu_seqlens.numel():
         raise ValueError(f"cu_seqlens_cpu must hold the {cu_seqlens.numel()} offsets of cu_seqlens, got {len(offsets)}")
-    _entries.append(_Entry(cu_seqlens, cu_seqlens._version, offsets))
-    del _entries[:-CACHED_TENSORS]
+    if _read_every_call(cu_seqlens) or _capturing(cu_seqlens):
+        return
+    version = _version(cu_seqlens)
+    if version is not None and any(e.holds(cu_seqlens) and e.version == version for e in _entries):
+        return
+    _remember(cu_seqlens, version, offsets)

@@ -127,13 +127,13 @@ def test_unimplemented_fla_options_raise_naming_them(fn, name, value):
 
 
 def test_host_offsets_from_cu_seqlens_cpu():
-    """A host copy given with cu_seqlens is taken instead of reading the tensor (the read a GPU call would sync on);
-    one of the wrong length is refused."""
+    """A host copy of a CPU cu_seqlens changes nothing (the tensor itself is read every call, free on a CPU: its
+    content is the truth); one of the wrong length is refused, naming cu_seqlens_cpu."""
     cu = torch.tensor([0, 3, 9], dtype=torch.int32)
     seqlayout.remember_host_offsets(cu, torch.tensor([0, 3, 9]))
     assert seqlayout.host_offsets(cu) == (0, 3, 9)
     other = torch.tensor([0, 5, 9], dtype=torch.int32)
-    seqlayout.remember_host_offsets(other, [0, 4, 9])  # the caller vouches for it, as FLA's callers do
-    assert seqlayout.host_offsets(other) == (0, 4, 9)
+    seqlayout.remember_host_offsets(other, [0, 4, 9])
+    assert seqlayout.host_offsets(other) == (0, 5, 9)
     with pytest.raises(ValueError, match="cu_seqlens_cpu must hold the 3 offsets"):
         seqlayout.remember_host_offsets(torch.tensor([0, 1, 2], dtype=torch.int32), [0, 2])
