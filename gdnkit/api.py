@@ -53,6 +53,21 @@ _SERVING_DOC = """
         no two sequences may write one slot, nor may one read a slot another writes, in the same call.
 """
 
+_POOL_PREFILL_DOC = """
+    Prefill on a state pool (vLLM-style; inference only, no autograd):
+        ssm_state_indices: [N] int32/int64. Makes initial_state a state pool [num_slots, HV, K, V] (float32,
+            bfloat16 or float16 storage, fp32 math; any slot stride, each slot contiguous): sequence n starts
+            from slot idx[n] and its final state is written back there in place; the second return value is
+            the pool itself. -1 marks a padding sequence: no state memory is touched and its outputs are zero.
+        has_initial_state: [N] bool, optional: False marks a new sequence, which starts from a zero state
+            (its slot is only written).
+        checkpoint_indices: [N, C] int32/int64 with checkpoint_every (a positive multiple of 64): the state
+            after (j + 1) * checkpoint_every tokens of sequence n is also written to slot
+            checkpoint_indices[n, j] (prefix caching); -1 skips that write, and checkpoints past a sequence's
+            length are not written.
+        No slot may be written twice in one call, nor read by one sequence and written by another.
+"""
+
 
 # Under torch.compile the call is opaque (a graph break), as FLA's is: Dynamo would otherwise trace into dispatch's
 # machine probe and the backends' host-side planning (cu_seqlens reads, cached layouts), which it cannot keep
@@ -77,12 +92,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                            use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
                            state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           ssm_state_indices: torch.Tensor | None = None,
+                           has_initial_state: torch.Tensor | None = None,
+                           checkpoint_indices: torch.Tensor | None = None, checkpoint_every: int | None = None,
                            backend: str | None = None):
     """The gated delta rule over whole sequences (prefill and training), chunked."""
     return _call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                 ssm_state_indices=ssm_state_indices, has_initial_state=has_initial_state,
+                 checkpoint_indices=checkpoint_indices, checkpoint_every=checkpoint_every)
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -107,7 +127,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 # A string expression after the signature is no docstring: the shared argument text is appended here.
-chunk_gated_delta_rule.__doc__ += _ARGS_DOC
+chunk_gated_delta_rule.__doc__ += _ARGS_DOC + _POOL_PREFILL_DOC
 fused_recurrent_gated_delta_rule.__doc__ += _ARGS_DOC + _SERVING_DOC
 
 
