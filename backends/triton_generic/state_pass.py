@@ -82,6 +82,10 @@ def state_pass_kernel(q, k, w, u, v, beta, tmat, gcum, h, vnew, o, h0, ht, cu_se
         if CHECKPOINTS:
             _store_checkpoint(ht, ckpt, i_n, it, n_ckpt, every, live, S, head_tile, mv[None, :] & live_mask,
                               slot_stride)
+        if POOL and not FUSE_OUTPUT:
+            # output.py forms a padding sequence's output from its zero states and new values, and from its gate
+            # cumsum: zeroed here, so arbitrary inputs there cannot overflow a decay into 0 * inf
+            tl.store(cb + r * HV, tl.zeros([64], dtype=tl.float32), mask=m_in & ((r * 0 + live) == 0))
         if STORE_H:
             hb = h + ((boh + it) * HV + i_h) * K * V
             tl.store(hb + ck[:, None] * V + cv[None, :], S.to(h.dtype.element_ty), mask=mv[None, :])
