@@ -46,6 +46,10 @@ _SERVING_DOC = """
             memory is touched and its outputs are zero. A write slot of -1 skips that write.
         num_accepted_tokens: [N] int32/int64 in [1, C], with 2-D ssm_state_indices: how many tokens of the
             previous verify step were accepted, i.e. which kept state to start from.
+        parent_indices: [N, C] int32/int64 with 2-D ssm_state_indices (tree verify, SGLang's
+            retrieve_parent_token): token t continues from the state after token parent[n, t] (an earlier
+            token, read back from its slot idx[n, parent[n, t]], so in the pool's dtype), or from the
+            sequence's starting state where it is -1. A chain of drafts is parent[n, t] = t - 1.
         inplace_final_state: default True with ssm_state_indices; the second return value is then the pool
             itself. False (1-D indices only): the pool is only read, and the final states are returned as a
             new float32 [N, ...] tensor when output_final_state (zero rows for padding sequences).
@@ -116,6 +120,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      ssm_state_indices: torch.Tensor | None = None,
                                      num_accepted_tokens: torch.Tensor | None = None,
                                      inplace_final_state: bool | None = None,
+                                     parent_indices: torch.Tensor | None = None,
                                      backend: str | None = None):
     """The gated delta rule token by token (decode and short inputs); same semantics as the chunked call."""
     return _call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
@@ -123,7 +128,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                 inplace_final_state=inplace_final_state)
+                 inplace_final_state=inplace_final_state, parent_indices=parent_indices)
 
 
 # A string expression after the signature is no docstring: the shared argument text is appended here.

@@ -54,6 +54,8 @@ class GDNServingInputs(NamedTuple):
     # chunked prefill on the pool only:
     has_initial_state: torch.Tensor | None = None  # [N] bool: False = a new sequence, starts from zero
     checkpoint_indices: torch.Tensor | None = None  # [N, C] int32/int64: slot of the state after (j+1)*every tokens
+    # tree verify (fused_recurrent with 2-D indices) only:
+    parent_indices: torch.Tensor | None = None  # [N, C] int32/int64: token t continues from token parent[n, t]
 
 
 class GDNGrads(NamedTuple):
@@ -109,6 +111,8 @@ class Problem:
     # interval in tokens (0: no checkpoints).
     has_start_flags: bool = False
     checkpoint_every: int = 0
+    # Tree verify: 2-D indices with parent_indices (token t continues from the state after its parent token).
+    has_parents: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -175,12 +179,15 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, indices, accepted,
-                   inplace_final_state, starts=None, checkpoints=None, every=None) -> dict | None:
+                   inplace_final_state, starts=None, checkpoints=None, every=None, parents=None) -> dict | None:
     """The serving arguments: None for a plain call, else the Problem fields they set.
 
     `starts` is has_initial_state [N] bool, `checkpoints` / `every` are checkpoint_indices [N, C] and
     checkpoint_every: chunked prefill on the pool only."""
     if indices is None:
+        if parents is not None:
+            raise ValueError("parent_indices name each draft token's parent among the per-token slots and need 2-D "
+                             "ssm_state_indices [N, C]; got ssm_state_indices=None")
         for name, t in (("has_initial_state", starts), ("checkpoint_indices", checkpoints),
                         ("checkpoint_every", every)):
             if t is not None:
@@ -230,6 +237,13 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
     if per_token and mode == CHUNK_MODE:
         raise ValueError("chunk_gated_delta_rule takes 1-D ssm_state_indices [N] (one slot per sequence); "
                          f"per-token slots [N, C] are fused_recurrent_gated_delta_rule's, got {_shape(indices)}")
+    if parents is not None:
+        if not per_token:
+            raise ValueError("parent_indices name each draft token's parent among the per-token slots and need 2-D "
+                             f"ssm_state_indices [N, C], got shape {_shape(indices)}")
+        if parents.dtype not in INDEX_DTYPES:
+            raise TypeError(f"parent_indices must be an int32 or int64 tensor, got {parents.dtype}")
+        _require_shape("parent_indices", parents, tuple(indices.shape), "[N, C] (as ssm_state_indices)")
     if starts is not None:
         if starts.dtype != torch.bool:
             raise TypeError(f"has_initial_state must be a bool tensor, got {starts.dtype}")
@@ -261,10 +275,10 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
     # The values cost a host sync on GPU tensors: skipped while a CUDA graph is being captured (the
     # caller vouches for them there), as for cu_seqlens.
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints, every)
+        _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints, every, parents)
     return dict(serving=True, num_slots=num_slots, per_token_slots=per_token,
                 has_num_accepted_tokens=accepted is not None, inplace_final_state=inplace,
-                has_start_flags=starts is not None, checkpoint_every=every or 0)
+                has_start_flags=starts is not None, checkpoint_every=every or 0, has_parents=parents is not None)
 
 
 def _slots_in_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
@@ -276,7 +290,7 @@ def _slots_in_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
 
 
 def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints=None,
-                       every=None) -> None:
+                       every=None, parents=None) -> None:
     idx = indices.detach().cpu().long()
     _slots_in_range("ssm_state_indices", idx, num_slots)
     lengths = (torch.full((N,), T, dtype=torch.long) if cu_seqlens is None
@@ -299,6 +313,9 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, 
             n = int(too_long.nonzero()[0, 0])
             raise ValueError(f"2-D ssm_state_indices need a slot column per token: sequence {n} has "
                              f"{int(lengths[n])} tokens, ssm_state_indices has C={C} columns")
+        if parents is not None:
+            _check_parents(parents.detach().cpu().long(), idx, (read >= 0)[:, None] & (
+                torch.arange(C)[None, :] < lengths[:, None]))
     if not inplace:
         return
     # Two sequences writing one slot, or one writing a slot another reads, would race in the kernel.
@@ -338,12 +355,29 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, 
                          f"which sequence {int(writer[i])} writes in the same call")
 
 
+def _check_parents(parents: torch.Tensor, idx: torch.Tensor, used: torch.Tensor) -> None:
+    """Token t of a live sequence continues from an earlier token (or -1, the accepted state); a parent other
+    than t - 1 is read back from its slot, which must therefore have been written."""
+    t = torch.arange(parents.shape[1])[None, :]
+    bad = used & ((parents < -1) | (parents >= t))
+    if bad.any():
+        n, col = bad.nonzero()[0].tolist()
+        raise ValueError(f"parent_indices[{n}, {col}] must be -1 (the accepted state) or an earlier token in "
+                         f"[0, {col}), got {int(parents[n, col])}")
+    slot_of_parent = idx.gather(1, parents.clamp_min(0))
+    bad = used & (parents >= 0) & (parents != t - 1) & (slot_of_parent < 0)
+    if bad.any():
+        n, col = bad.nonzero()[0].tolist()
+        raise ValueError(f"parent_indices[{n}, {col}] = {int(parents[n, col])} continues from a token whose state "
+                         f"is not kept (ssm_state_indices[{n}, {int(parents[n, col])}] = -1)")
+
+
 def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                     cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
                     inplace_final_state=None, has_initial_state=None, checkpoint_indices=None,
-                    checkpoint_every=None) -> tuple[Problem, GDNInputs | GDNServingInputs]:
+                    checkpoint_every=None, parent_indices=None) -> tuple[Problem, GDNInputs | GDNServingInputs]:
     """Check a call's arguments and describe it. Raises ValueError/TypeError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(name, t)
@@ -378,7 +412,8 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     named = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
              ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
              ("ssm_state_indices", ssm_state_indices), ("num_accepted_tokens", num_accepted_tokens),
-             ("has_initial_state", has_initial_state), ("checkpoint_indices", checkpoint_indices)]
+             ("has_initial_state", has_initial_state), ("checkpoint_indices", checkpoint_indices),
+             ("parent_indices", parent_indices)]
     for name, t in named:
         if t is not None:
             _require_tensor(name, t)
@@ -398,7 +433,7 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     state_layout = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
     serving = _check_serving(mode, q, T, N, HV, K, V, state_v_first, initial_state, cu_seqlens,
                              ssm_state_indices, num_accepted_tokens, inplace_final_state, has_initial_state,
-                             checkpoint_indices, checkpoint_every)
+                             checkpoint_indices, checkpoint_every, parent_indices)
     if serving is None and initial_state is not None:  # (a serving pool was checked by _check_serving)
         _require_rank("initial_state", initial_state, 4, state_layout)
         if initial_state.shape[0] != N:
@@ -448,6 +483,6 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     if serving is not None:
         return problem, GDNServingInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                          ssm_state_indices, num_accepted_tokens, has_initial_state,
-                                         checkpoint_indices)
+                                         checkpoint_indices, parent_indices)
     inputs = GDNInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
     return problem, inputs

@@ -4,7 +4,9 @@ What a call means (gdnkit/api.py documents it for users; the Triton kernel is te
   - 1-D ssm_state_indices [N]: sequence n starts from pool[idx[n]]; with inplace_final_state its final
     state is written back to pool[idx[n]].
   - 2-D [N, C]: sequence n starts from pool[idx[n, num_accepted_tokens[n] - 1]] (column 0 without it);
-    the state after its token t goes to pool[idx[n, t]].
+    the state after its token t goes to pool[idx[n, t]]. With parent_indices (tree verify), token t
+    continues from the stored state of token parent[n, t] when that is not t - 1, or from the starting
+    state when it is -1.
   - A read slot of -1: padding; the sequence touches no state and its outputs are 0. A write slot of -1:
     that write is skipped.
   - Math in the compute dtype; a state is rounded to the pool's dtype only when stored, never between
@@ -105,8 +107,16 @@ def serving_forward(problem: Problem, inputs: GDNServingInputs) -> tuple[torch.T
     S = _start_states(problem, pool, read, live_rows, dt, q.device)
     lengths_t = torch.tensor(lengths, device=q.device, dtype=torch.long)
 
+    S_start, kept = S, []
     outputs = []
     for t in range(q.shape[1]):
+        if problem.has_parents and t < idx.shape[1]:
+            # tree verify: a token whose parent is not the previous token continues from the parent's kept
+            # state (as stored, in the pool's dtype) or, for parent -1, from the starting state
+            par = inputs.parent_indices[:, t].long()
+            S = torch.where((par == -1)[:, None, None, None], S_start, S)
+            for n in ((par >= 0) & (par != t - 1) & live).nonzero()[:, 0].tolist():
+                S[n] = kept[int(par[n])][n]
         o_t, S = recurrent_gdn(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1],
                                problem.scale, S)
         outputs.append(o_t)
@@ -114,6 +124,8 @@ def serving_forward(problem: Problem, inputs: GDNServingInputs) -> tuple[torch.T
             slot = idx[:, t]
             write = (live & (lengths_t > t) & (slot >= 0)).nonzero()[:, 0]
             pool[slot[write]] = to_kv(S[write]).to(pool.dtype)
+            if problem.has_parents:
+                kept.append(S.to(pool.dtype).to(dt))
     o = torch.cat(outputs, 1) if outputs else v.new_zeros(v.shape)
     o = o * live.to(o.dtype)[:, None, None, None]
     if problem.varlen:
