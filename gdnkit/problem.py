@@ -238,12 +238,8 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
         raise ValueError("chunk_gated_delta_rule takes 1-D ssm_state_indices [N] (one slot per sequence); "
                          f"per-token slots [N, C] are fused_recurrent_gated_delta_rule's, got {_shape(indices)}")
     if parents is not None:
-        if not per_token:
-            raise ValueError("parent_indices name each draft token's parent among the per-token slots and need 2-D "
-                             f"ssm_state_indices [N, C], got shape {_shape(indices)}")
-        if parents.dtype not in INDEX_DTYPES:
-            raise TypeError(f"parent_indices must be an int32 or int64 tensor, got {parents.dtype}")
-        _require_shape("parent_indices", parents, tuple(indices.shape), "[N, C] (as ssm_state_indices)")
+        _check_per_token_companion("parent_indices", parents, indices, "names each draft token's parent among the "
+                                   "per-token slots", tuple(indices.shape), "[N, C] (as ssm_state_indices)")
     if starts is not None:
         if starts.dtype != torch.bool:
             raise TypeError(f"has_initial_state must be a bool tensor, got {starts.dtype}")
@@ -265,12 +261,8 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
         raise ValueError("2-D ssm_state_indices write the state after every token into its slot; "
                          "inplace_final_state=False is only possible with 1-D ssm_state_indices [N]")
     if accepted is not None:
-        if not per_token:
-            raise ValueError("num_accepted_tokens picks the read slot among ssm_state_indices[n, :] and needs "
-                             f"2-D ssm_state_indices [N, C], got shape {_shape(indices)}")
-        if accepted.dtype not in INDEX_DTYPES:
-            raise TypeError(f"num_accepted_tokens must be an int32 or int64 tensor, got {accepted.dtype}")
-        _require_shape("num_accepted_tokens", accepted, (N,), "[N]")
+        _check_per_token_companion("num_accepted_tokens", accepted, indices, "picks the read slot among "
+                                   "ssm_state_indices[n, :]", (N,), "[N]")
 
     # The values cost a host sync on GPU tensors: skipped while a CUDA graph is being captured (the
     # caller vouches for them there), as for cu_seqlens.
@@ -287,6 +279,15 @@ def _slots_in_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
         at = tuple(bad.nonzero()[0].tolist())
         raise ValueError(f"{name} must hold pool slots in [0, {num_slots}) or -1 for padding, got "
                          f"{int(idx[at])} at {list(at)}")
+
+
+def _check_per_token_companion(name: str, t: torch.Tensor, indices: torch.Tensor, purpose: str, shape, layout):
+    """An index tensor that only means something with 2-D (per-token) ssm_state_indices."""
+    if indices.dim() != 2:
+        raise ValueError(f"{name} {purpose} and needs 2-D ssm_state_indices [N, C], got shape {_shape(indices)}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+    _require_shape(name, t, shape, layout)
 
 
 def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints=None,

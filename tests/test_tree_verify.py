@@ -131,7 +131,7 @@ BAD = [
     (dict(parent_indices=torch.tensor([[-1, 0]])), ValueError, "parent_indices must have shape"),
     (dict(parent_indices=torch.tensor([[-1.0, 0.0], [-1.0, 0.0]])), TypeError, "int32 or int64"),
     (dict(parent_indices=torch.tensor([[-1, 0], [-1, 0]]), ssm_state_indices=torch.tensor([0, 1])), ValueError,
-     "need 2-D ssm_state_indices"),
+     "needs 2-D ssm_state_indices"),
 ]
 
 
