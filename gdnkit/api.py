@@ -53,11 +53,30 @@ _SERVING_DOC = """
             memory is touched and its outputs are zero. A write slot of -1 skips that write.
         num_accepted_tokens: [N] int32/int64 in [1, C], with 2-D ssm_state_indices: how many tokens of the
             previous verify step were accepted, i.e. which kept state to start from.
+        parent_indices: [N, C] int32/int64 with 2-D ssm_state_indices (tree verify, SGLang's
+            retrieve_parent_token): token t continues from the state after token parent[n, t] (an earlier
+            token, read back from its slot idx[n, parent[n, t]], so in the pool's dtype), or from the
+            sequence's starting state where it is -1. A chain of drafts is parent[n, t] = t - 1.
         inplace_final_state: default True with ssm_state_indices; the second return value is then the pool
             itself. False (1-D indices only): the pool is only read, and the final states are returned as a
             new float32 [N, ...] tensor when output_final_state (zero rows for padding sequences).
         Index values are checked (one host sync on GPU tensors) except while a CUDA graph is being captured;
         no two sequences may write one slot, nor may one read a slot another writes, in the same call.
+"""
+
+_POOL_PREFILL_DOC = """
+    Prefill on a state pool (vLLM-style; inference only, no autograd):
+        ssm_state_indices: [N] int32/int64. Makes initial_state a state pool [num_slots, HV, K, V] (float32,
+            bfloat16 or float16 storage, fp32 math; any slot stride, each slot contiguous): sequence n starts
+            from slot idx[n] and its final state is written back there in place; the second return value is
+            the pool itself. -1 marks a padding sequence: no state memory is touched and its outputs are zero.
+        has_initial_state: [N] bool, optional: False marks a new sequence, which starts from a zero state
+            (its slot is only written).
+        checkpoint_indices: [N, C] int32/int64 with checkpoint_every (a positive multiple of 64): the state
+            after (j + 1) * checkpoint_every tokens of sequence n is also written to slot
+            checkpoint_indices[n, j] (prefix caching); -1 skips that write, and checkpoints past a sequence's
+            length are not written.
+        No slot may be written twice in one call, nor read by one sequence and written by another.
 """
 
 
@@ -131,7 +150,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
                            chunk_indices: torch.Tensor | None = None, cp_context=None, *,
                            use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
-                           dt_bias: torch.Tensor | None = None, backend: str | None = None, **hints):
+                           dt_bias: torch.Tensor | None = None, ssm_state_indices: torch.Tensor | None = None,
+                           has_initial_state: torch.Tensor | None = None,
+                           checkpoint_indices: torch.Tensor | None = None, checkpoint_every: int | None = None,
+                           backend: str | None = None, **hints):
     """The gated delta rule over whole sequences (prefill and training), chunked.
 
     Positional arguments follow FLA 0.6's chunk_gated_delta_rule exactly.
@@ -139,14 +161,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if cu_seqlens_cpu is not None or cp_context is not None or hints:
         state_v_first = _fla_hints(state_v_first, cu_seqlens,
                                    dict(hints, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context))
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and ssm_state_indices is None:
         return torch_compile.call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
     return _call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+                 allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                 ssm_state_indices=ssm_state_indices, has_initial_state=has_initial_state,
+                 checkpoint_indices=checkpoint_indices, checkpoint_every=checkpoint_every)
 
 
 # FLA 0.6 puts gk and gv before beta; gdnkit (as FLA before 0.6, vLLM and the chunked call) puts beta fifth.
@@ -191,6 +215,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      ssm_state_indices: torch.Tensor | None = None,
                                      num_accepted_tokens: torch.Tensor | None = None,
                                      inplace_final_state: bool | None = None,
+                                     parent_indices: torch.Tensor | None = None,
                                      backend: str | None = None, **hints):
     """The gated delta rule token by token (decode and short inputs); same semantics as the chunked call.
 
@@ -214,7 +239,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         hints.update(gk=named.pop("gk"), gv=named.pop("gv"))
         return fused_recurrent_gated_delta_rule(q, k, v, g, **named, ssm_state_indices=ssm_state_indices,
                                                 num_accepted_tokens=num_accepted_tokens,
-                                                inplace_final_state=inplace_final_state, backend=backend, **hints)
+                                                inplace_final_state=inplace_final_state,
+                                                parent_indices=parent_indices, backend=backend, **hints)
     if hints:
         state_v_first = _fla_hints(state_v_first, cu_seqlens, hints)
     if g is None or beta is None:
@@ -228,7 +254,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                  A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-                 inplace_final_state=inplace_final_state)
+                 inplace_final_state=inplace_final_state, parent_indices=parent_indices)
 
 
 def _fla_defaults(q, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
@@ -247,7 +273,7 @@ def _fla_defaults(q, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
 
 
 # A string expression after the signature is no docstring: the shared argument text is appended here.
-chunk_gated_delta_rule.__doc__ += _ARGS_DOC
+chunk_gated_delta_rule.__doc__ += _ARGS_DOC + _POOL_PREFILL_DOC
 fused_recurrent_gated_delta_rule.__doc__ += _ARGS_DOC + _SERVING_DOC
 
 

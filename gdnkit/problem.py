@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from gdnkit import seqlayout
+from gdnkit.prep import CHUNK as CHUNK_SIZE
 
 CHUNK_MODE = "chunk"
 RECURRENT_MODE = "recurrent"
@@ -50,6 +51,11 @@ class GDNServingInputs(NamedTuple):
     cu_seqlens: torch.Tensor | None
     ssm_state_indices: torch.Tensor  # [N] or [N, C] int32/int64, -1 = padding / no write
     num_accepted_tokens: torch.Tensor | None  # [N] int32/int64, with 2-D indices only
+    # chunked prefill on the pool only:
+    has_initial_state: torch.Tensor | None = None  # [N] bool: False = a new sequence, starts from zero
+    checkpoint_indices: torch.Tensor | None = None  # [N, C] int32/int64: slot of the state after (j+1)*every tokens
+    # tree verify (fused_recurrent with 2-D indices) only:
+    parent_indices: torch.Tensor | None = None  # [N, C] int32/int64: token t continues from token parent[n, t]
 
 
 class GDNGrads(NamedTuple):
@@ -101,6 +107,12 @@ class Problem:
     per_token_slots: bool = False
     has_num_accepted_tokens: bool = False
     inplace_final_state: bool = False
+    # Chunked prefill on the pool: per-sequence "starts from its slot" flags, and the prefix-cache checkpoint
+    # interval in tokens (0: no checkpoints).
+    has_start_flags: bool = False
+    checkpoint_every: int = 0
+    # Tree verify: 2-D indices with parent_indices (token t continues from the state after its parent token).
+    has_parents: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -167,9 +179,20 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, indices, accepted,
-                   inplace_final_state) -> dict | None:
-    """The serving arguments: None for a plain call, else the Problem fields they set."""
+                   inplace_final_state, starts=None, checkpoints=None, every=None, parents=None) -> dict | None:
+    """The serving arguments: None for a plain call, else the Problem fields they set.
+
+    `starts` is has_initial_state [N] bool, `checkpoints` / `every` are checkpoint_indices [N, C] and
+    checkpoint_every: chunked prefill on the pool only."""
     if indices is None:
+        if parents is not None:
+            raise ValueError("parent_indices name each draft token's parent among the per-token slots and need 2-D "
+                             "ssm_state_indices [N, C]; got ssm_state_indices=None")
+        for name, t in (("has_initial_state", starts), ("checkpoint_indices", checkpoints),
+                        ("checkpoint_every", every)):
+            if t is not None:
+                raise ValueError(f"{name} belongs to prefill on a state pool and needs ssm_state_indices [N]; "
+                                 f"got ssm_state_indices=None")
         if accepted is not None:
             raise ValueError("num_accepted_tokens picks the read slot among ssm_state_indices[n, :] and needs "
                              "2-D ssm_state_indices [N, C]; got ssm_state_indices=None")
@@ -177,9 +200,12 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
             raise ValueError("inplace_final_state=True writes final states into the pool slots named by "
                              "ssm_state_indices; got ssm_state_indices=None")
         return None
-    if mode != RECURRENT_MODE:
-        raise ValueError("ssm_state_indices (the serving state pool) is taken by fused_recurrent_gated_delta_rule "
-                         "only")
+    if mode == RECURRENT_MODE and (starts is not None or checkpoints is not None or every is not None):
+        raise ValueError("has_initial_state, checkpoint_indices and checkpoint_every are taken by "
+                         "chunk_gated_delta_rule (prefill on the pool) only")
+    if mode == CHUNK_MODE and (accepted is not None or inplace_final_state is not None):
+        raise ValueError("num_accepted_tokens and inplace_final_state are taken by fused_recurrent_gated_delta_rule "
+                         "only: chunked prefill on the pool always writes final states back to their slots")
     if inplace_final_state is not None and not isinstance(inplace_final_state, bool):
         raise TypeError(f"inplace_final_state must be a bool or None, got {type(inplace_final_state).__name__}")
     inplace = True if inplace_final_state is None else inplace_final_state
@@ -215,32 +241,68 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
         raise ValueError(f"ssm_state_indices must have shape [N] or [N, C] (C >= 1) with N={N} sequences, "
                          f"got {_shape(indices)}")
     per_token = indices.dim() == 2
+    if per_token and mode == CHUNK_MODE:
+        raise ValueError("chunk_gated_delta_rule takes 1-D ssm_state_indices [N] (one slot per sequence); "
+                         f"per-token slots [N, C] are fused_recurrent_gated_delta_rule's, got {_shape(indices)}")
+    if parents is not None:
+        _check_per_token_companion("parent_indices", parents, indices, "names each draft token's parent among the "
+                                   "per-token slots", tuple(indices.shape), "[N, C] (as ssm_state_indices)")
+    if starts is not None:
+        if starts.dtype != torch.bool:
+            raise TypeError(f"has_initial_state must be a bool tensor, got {starts.dtype}")
+        _require_shape("has_initial_state", starts, (N,), "[N]")
+    if (checkpoints is None) != (every is None):
+        raise ValueError("checkpoint_indices and checkpoint_every go together: got "
+                         f"checkpoint_indices={'None' if checkpoints is None else _shape(checkpoints)}, "
+                         f"checkpoint_every={every!r}")
+    if every is not None:
+        if not isinstance(every, int) or isinstance(every, bool) or every <= 0 or every % CHUNK_SIZE:
+            raise ValueError(f"checkpoint_every must be a positive multiple of the chunk size {CHUNK_SIZE}, "
+                             f"got {every!r}")
+        if checkpoints.dtype not in INDEX_DTYPES:
+            raise TypeError(f"checkpoint_indices must be an int32 or int64 tensor, got {checkpoints.dtype}")
+        if checkpoints.dim() != 2 or checkpoints.shape[0] != N or checkpoints.shape[1] < 1:
+            raise ValueError(f"checkpoint_indices must have shape [N, C] (C >= 1) with N={N} sequences, "
+                             f"got {_shape(checkpoints)}")
     if per_token and not inplace:
         raise ValueError("2-D ssm_state_indices write the state after every token into its slot; "
                          "inplace_final_state=False is only possible with 1-D ssm_state_indices [N]")
     if accepted is not None:
-        if not per_token:
-            raise ValueError("num_accepted_tokens picks the read slot among ssm_state_indices[n, :] and needs "
-                             f"2-D ssm_state_indices [N, C], got shape {_shape(indices)}")
-        if accepted.dtype not in INDEX_DTYPES:
-            raise TypeError(f"num_accepted_tokens must be an int32 or int64 tensor, got {accepted.dtype}")
-        _require_shape("num_accepted_tokens", accepted, (N,), "[N]")
+        _check_per_token_companion("num_accepted_tokens", accepted, indices, "picks the read slot among "
+                                   "ssm_state_indices[n, :]", (N,), "[N]")
 
     # The values cost a host sync on GPU tensors: skipped while a CUDA graph is being captured (the
     # caller vouches for them there), as for cu_seqlens.
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens)
+        _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints, every, parents)
     return dict(serving=True, num_slots=num_slots, per_token_slots=per_token,
-                has_num_accepted_tokens=accepted is not None, inplace_final_state=inplace)
+                has_num_accepted_tokens=accepted is not None, inplace_final_state=inplace,
+                has_start_flags=starts is not None, checkpoint_every=every or 0, has_parents=parents is not None)
 
 
-def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens) -> None:
-    idx = indices.detach().cpu().long()
+def _slots_in_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
     bad = (idx < -1) | (idx >= num_slots)
     if bad.any():
         at = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(f"ssm_state_indices must hold pool slots in [0, {num_slots}) or -1 for padding, got "
+        raise ValueError(f"{name} must hold pool slots in [0, {num_slots}) or -1 for padding, got "
                          f"{int(idx[at])} at {list(at)}")
+
+
+def _check_per_token_companion(name: str, t: torch.Tensor, indices: torch.Tensor, purpose: str, shape, layout):
+    """An index tensor that only means something with 2-D (per-token) ssm_state_indices."""
+    if indices.dim() != 2:
+        raise ValueError(f"{name} {purpose} and needs 2-D ssm_state_indices [N, C], got shape {_shape(indices)}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+    _require_shape(name, t, shape, layout)
+
+
+def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints=None,
+                       every=None, parents=None) -> None:
+    idx = indices.detach().cpu().long()
+    _slots_in_range("ssm_state_indices", idx, num_slots)
+    lengths = (torch.full((N,), T, dtype=torch.long) if cu_seqlens is None
+               else cu_seqlens.detach().cpu().long().diff())
     if idx.dim() == 1:
         read = idx
     else:
@@ -254,13 +316,14 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens) 
                 raise ValueError(f"num_accepted_tokens must be in [1, {C}] (the columns of ssm_state_indices), "
                                  f"got {int(col[n]) + 1} for sequence {n}")
         read = idx.gather(1, col[:, None])[:, 0]
-        lengths = (torch.full((N,), T, dtype=torch.long) if cu_seqlens is None
-                   else cu_seqlens.detach().cpu().long().diff())
         too_long = (lengths > C) & (read >= 0)
         if too_long.any():
             n = int(too_long.nonzero()[0, 0])
             raise ValueError(f"2-D ssm_state_indices need a slot column per token: sequence {n} has "
                              f"{int(lengths[n])} tokens, ssm_state_indices has C={C} columns")
+        if parents is not None:
+            _check_parents(parents.detach().cpu().long(), idx, (read >= 0)[:, None] & (
+                torch.arange(C)[None, :] < lengths[:, None]))
     if not inplace:
         return
     # Two sequences writing one slot, or one writing a slot another reads, would race in the kernel.
@@ -271,6 +334,13 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens) 
         t = torch.arange(idx.shape[1])
         used = live[:, None] & (t[None, :] < lengths[:, None]) & (idx >= 0)
         writes, owners = idx[used], used.nonzero()[:, 0]
+    if checkpoints is not None:
+        ck = checkpoints.detach().cpu().long()
+        _slots_in_range("checkpoint_indices", ck, num_slots)
+        # checkpoint j of sequence n is written once (j + 1) * every <= its length
+        j = torch.arange(ck.shape[1])
+        used = live[:, None] & ((j[None, :] + 1) * every <= lengths[:, None]) & (ck >= 0)
+        writes, owners = torch.cat([writes, ck[used]]), torch.cat([owners, used.nonzero()[:, 0]])
     owner_of = torch.full((num_slots,), -1, dtype=torch.long)
     owner_of[writes] = owners
     clash = owner_of[writes] != owners
@@ -278,6 +348,12 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens) 
         i = int(clash.nonzero()[0, 0])
         raise ValueError(f"ssm_state_indices: pool slot {int(writes[i])} is written by sequences {int(owners[i])} "
                          f"and {int(owner_of[writes[i]])}; each slot may belong to one sequence per call")
+    if checkpoints is not None:  # (1-D indices: one sequence's writes are distinct slots too)
+        twice = torch.bincount(writes, minlength=num_slots)[writes] > 1
+        if twice.any():
+            i = int(twice.nonzero()[0, 0])
+            raise ValueError(f"checkpoint_indices: pool slot {int(writes[i])} is written twice by sequence "
+                             f"{int(owners[i])} (its state slot and a checkpoint, or two checkpoints)")
     readers = live.nonzero()[:, 0]
     writer = owner_of[read[readers]]
     clash = (writer >= 0) & (writer != readers)
@@ -287,11 +363,29 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens) 
                          f"which sequence {int(writer[i])} writes in the same call")
 
 
+def _check_parents(parents: torch.Tensor, idx: torch.Tensor, used: torch.Tensor) -> None:
+    """Token t of a live sequence continues from an earlier token (or -1, the accepted state); a parent other
+    than t - 1 is read back from its slot, which must therefore have been written."""
+    t = torch.arange(parents.shape[1])[None, :]
+    bad = used & ((parents < -1) | (parents >= t))
+    if bad.any():
+        n, col = bad.nonzero()[0].tolist()
+        raise ValueError(f"parent_indices[{n}, {col}] must be -1 (the accepted state) or an earlier token in "
+                         f"[0, {col}), got {int(parents[n, col])}")
+    slot_of_parent = idx.gather(1, parents.clamp_min(0))
+    bad = used & (parents >= 0) & (parents != t - 1) & (slot_of_parent < 0)
+    if bad.any():
+        n, col = bad.nonzero()[0].tolist()
+        raise ValueError(f"parent_indices[{n}, {col}] = {int(parents[n, col])} continues from a token whose state "
+                         f"is not kept (ssm_state_indices[{n}, {int(parents[n, col])}] = -1)")
+
+
 def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
                     cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                    inplace_final_state=None) -> tuple[Problem, GDNInputs | GDNServingInputs]:
+                    inplace_final_state=None, has_initial_state=None, checkpoint_indices=None,
+                    checkpoint_every=None, parent_indices=None) -> tuple[Problem, GDNInputs | GDNServingInputs]:
     """Check a call's arguments and describe it. Raises ValueError/TypeError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _require_tensor(name, t)
@@ -325,7 +419,9 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     device = q.device
     named = [("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
              ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
-             ("ssm_state_indices", ssm_state_indices), ("num_accepted_tokens", num_accepted_tokens)]
+             ("ssm_state_indices", ssm_state_indices), ("num_accepted_tokens", num_accepted_tokens),
+             ("has_initial_state", has_initial_state), ("checkpoint_indices", checkpoint_indices),
+             ("parent_indices", parent_indices)]
     for name, t in named:
         if t is not None:
             _require_tensor(name, t)
@@ -344,7 +440,8 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     state_layout = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
     serving = _check_serving(mode, q, T, N, HV, K, V, state_v_first, initial_state, cu_seqlens,
-                             ssm_state_indices, num_accepted_tokens, inplace_final_state)
+                             ssm_state_indices, num_accepted_tokens, inplace_final_state, has_initial_state,
+                             checkpoint_indices, checkpoint_every, parent_indices)
     if serving is None and initial_state is not None:  # (a serving pool was checked by _check_serving)
         _require_rank("initial_state", initial_state, 4, state_layout)
         if initial_state.shape[0] != N:
@@ -393,6 +490,7 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
         state_v_first=bool(state_v_first), needs_grad=needs_grad, **(serving or {}))
     if serving is not None:
         return problem, GDNServingInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
-                                         ssm_state_indices, num_accepted_tokens)
+                                         ssm_state_indices, num_accepted_tokens, has_initial_state,
+                                         checkpoint_indices, parent_indices)
     inputs = GDNInputs(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
     return problem, inputs

@@ -285,8 +285,11 @@ def test_serving_validation_grad_mode_and_chunk_mode():
     call["q"] = call["q"].requires_grad_()
     with pytest.raises(ValueError, match="inference-only"):
         gdnkit.fused_recurrent_gated_delta_rule(**call)
+    # the chunked call takes a pool with one slot per sequence (prefill), not per-token slots or decode's options
     with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule only"):
-        validate_inputs("chunk", **_base())
+        validate_inputs("chunk", **_base(inplace_final_state=True))
+    with pytest.raises(ValueError, match="1-D ssm_state_indices"):
+        validate_inputs("chunk", **_base(ssm_state_indices=torch.tensor([[0], [1], [2]])))
 
 
 def test_serving_needs_a_backend_that_opts_in():

@@ -27,21 +27,27 @@ CAPABILITIES = (80, 90)
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0", "warm", "rstd", "dy", "q_rstd", "k_rstd"}
-INDEX_ARGS = {"cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
+INDEX_ARGS = {"slots", "ckpt", "cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
               # the wide route's pick (warmup_bound._pick_kernel): int32 segment tables and cu_seqlens
               "own", "seg_cu", "cu", "wide_cu", "wide_walk", "plain_cu"}
 # tilelang_sm90's warm-up flags (warmup_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
-INT_SCALARS = {"T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu", "w0", "n_rows",
-               "N0", "N1", "B"}   # the flat grids' logical sizes (_common.grid_2d / grid_3d) and the batch size
+INT_SCALARS = {"slot_stride", "n_ckpt", "every", "T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu",
+               "w0", "n_rows", "N0", "N1", "B"}   # the flat grids' logical sizes (_common.grid_2d / grid_3d) and the batch size
 FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
 KERNELS = {
     "state_pass": ("state_pass", "state_pass_kernel",
                    dict(HEADS, BV=32, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False, STORE_H=True, STORE_VNEW=True,
-                        FUSE_OUTPUT=True, PROPAGATOR=False, U_ON_CHIP=True)),
+                        FUSE_OUTPUT=True, PROPAGATOR=False, U_ON_CHIP=True, POOL=False, HAS_STARTS=False,
+                        CHECKPOINTS=False)),
+    # prefill on a state pool (fp32 slots) with start flags and prefix-cache checkpoints
+    "state_pass_pool": ("state_pass", "state_pass_kernel",
+                        dict(HEADS, BV=32, HAS_H0=False, STORE_HT=False, STATE_V_FIRST=False, STORE_H=False,
+                             STORE_VNEW=False, FUSE_OUTPUT=True, PROPAGATOR=False, U_ON_CHIP=True, POOL=True,
+                             HAS_STARTS=True, CHECKPOINTS=True)),
     "backward_state": ("backward_state", "backward_state_kernel",
                        dict(HEADS, BV=32, HAS_DHT=True, STORE_DH0=True, STATE_V_FIRST=True, STORE_DH=True)),
     "output": ("output", "output_kernel", dict(HEADS, BK=64, BV=64)),
@@ -99,7 +105,7 @@ def _signature(fn, constexprs: dict) -> dict:
             sig[name] = "i32"
         elif name in INT64_ARGS or name == "sums":
             sig[name] = "*i64" if name in INT64_ARGS else "*fp64"
-        elif name == "walked":
+        elif name in ("walked", "start_flags"):
             sig[name] = "*i8"
         elif name == "choice":
             sig[name] = "*i1"

@@ -51,7 +51,12 @@ class TileLangSM90Backend(Backend):
             reasons.append(f"dtype {problem.dtype} is not bfloat16 or float16")
         if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
             reasons.append(f"built for K = V = {HEAD_DIM} (the Qwen3.5/3.6 shape), got K={problem.K}, V={problem.V}")
-        if problem.state_dtype is not None and problem.state_dtype != torch.float32:
+        if problem.serving:
+            # Host-side gather/scatter around these kernels would add the two passes over the pool that prefill
+            # on the pool exists to remove; triton_generic addresses the slots inside its state pass.
+            reasons.append("prefill on a state pool (ssm_state_indices) runs on triton_generic, whose state pass "
+                           "reads and writes the slots in the kernel")
+        elif problem.state_dtype is not None and problem.state_dtype != torch.float32:
             reasons.append(f"initial_state must be float32, got {problem.state_dtype}")
         if problem.N > MAX_SEQUENCES:
             reasons.append(f"{problem.N} sequences: the state passes take at most {MAX_SEQUENCES} (a CUDA grid axis)")

@@ -25,7 +25,7 @@ from .backward_wy import backward_wy
 from .intra_chunk import intra_chunk
 from .output import output
 from .context_parallel import Segments
-from .state_pass import NewValues, state_pass
+from .state_pass import NewValues, PoolSlots, state_pass
 from .sizes import cdiv, next_power_of_2
 
 # "auto" | "always" | "never": whether the forward computes the output inside the state pass.
@@ -104,6 +104,9 @@ def _layout(problem: Problem, cu_seqlens, device: torch.device) -> seqlayout.Seq
 
 
 def _segment_chunks(problem: Problem, cu_seqlens, device: torch.device, sms: int) -> int | None:
+    if problem.serving:
+        # prefill on the pool: the state pass addresses pool slots itself; the segment scan does not (yet)
+        return None
     if CP_SEGMENT_CHUNKS is not None:
         return CP_SEGMENT_CHUNKS or None
     programs = problem.N * problem.HV * cdiv(problem.V, _widest(problem.K, problem.V))
@@ -146,13 +149,16 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
 
 
 def _states(problem: Problem, p: Plan, q, k, values: NewValues, gcum, h0, T, cu, index: Index, store: bool,
-            want_ht: bool):
-    """The forward's sequential part. Returns (o if fused, h, U, final state, [E | P] per segment or None)."""
+            want_ht: bool, pool: PoolSlots | None = None):
+    """The forward's sequential part. Returns (o if fused, h, U, final state, [E | P] per segment or None).
+    With `pool` (no segments), states come from and go to its slots and the final state is the pool."""
     K, V, N, HV = problem.K, problem.V, problem.N, problem.HV
     flags = dict(fuse_output=p.fuse_output, store_h=store, store_vnew=store, BV=p.block_v)
     if p.segments is None:
         o, h, vnew, ht = state_pass(q, k, values, gcum, problem.scale, h0, T, N, cu, index.chunk_offsets,
-                                    index.n_chunks, problem.state_v_first, want_ht, **flags)
+                                    index.n_chunks, problem.state_v_first, want_ht, pool=pool, **flags)
+        if pool is not None:
+            ht = pool.pool
         return o, h, vnew, ht, None
     sg = p.segments
     aug_bv = 16 if k.dtype == torch.float32 else _widest(K, V + K)
@@ -166,12 +172,23 @@ def _states(problem: Problem, p: Plan, q, k, values: NewValues, gcum, h0, T, cu,
     return o, h, vnew, ht, aug
 
 
+def _pool_slots(problem: Problem, inputs) -> PoolSlots | None:
+    """A serving call's pool arguments (GDNServingInputs), else None."""
+    if not problem.serving:
+        return None
+    return PoolSlots(inputs.initial_state, inputs.ssm_state_indices, inputs.has_initial_state,
+                     inputs.checkpoint_indices, problem.checkpoint_every // CHUNK)
+
+
 def forward(problem: Problem, inputs: GDNInputs):
-    q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
-    dtypes = prologue.input_dtypes(inputs)
+    q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs[:9]
+    pool = _pool_slots(problem, inputs)
+    dtypes = prologue.input_dtypes(inputs[:9])
     q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    if h0 is not None:
+    if pool is not None:
+        h0 = None  # the pool is read and written through its slots
+    elif h0 is not None:
         h0 = h0.float().contiguous()
     B, T = q.shape[0], q.shape[1]
     if cu is not None:
@@ -179,7 +196,15 @@ def forward(problem: Problem, inputs: GDNInputs):
         # backward, keeping it, finds the same layout whatever the caller does to its tensor meanwhile)
         cu = seqlayout.sequence_layout(cu).cu_seqlens
     index = make_index(B, T, cu)
-    if index.n_chunks == 0:
+    if index.n_chunks == 0 and pool is not None:
+        # no tokens, but new sequences' slots still become zero states: the state pass over no chunks
+        o = v.new_zeros(v.shape)
+        gcum = torch.zeros(g.shape, device=g.device, dtype=torch.float32)
+        tmat = None
+        p = dataclasses.replace(plan(problem, cu, v.device), fuse_output=False)
+        _, _, _, ht, _ = _states(problem, p, q, k, NewValues.on_chip(v, beta, gcum), gcum, None, T, cu, index,
+                                 store=False, want_ht=False, pool=pool)
+    elif index.n_chunks == 0:
         o = v.new_zeros(v.shape)
         ht = None
         if problem.output_final_state:
@@ -192,7 +217,8 @@ def forward(problem: Problem, inputs: GDNInputs):
         gcum, tmat, _, _ = intra_chunk(k, v, g, beta, T, index.grid_t, cu, index.chunk_indices, wu=False)
         p = plan(problem, cu, v.device)
         o, h, vnew, ht, _ = _states(problem, p, q, k, NewValues.on_chip(v, beta, tmat), gcum, h0, T, cu, index,
-                                    store=not p.fuse_output, want_ht=problem.output_final_state)
+                                    store=not p.fuse_output, want_ht=problem.output_final_state and pool is None,
+                                    pool=pool)
         if not problem.needs_grad:
             tmat = None  # inference: freed before the output pass allocates o
         if not p.fuse_output:

@@ -10,7 +10,9 @@ Where states come from and go to (decided by the validated Problem; see gdnkit/p
   - serving (`ssm_state_indices`): initial_state is a pool [num_slots, ...] (fp32/bf16/fp16, any slot
     stride, inner dims contiguous). 1-D indices [N]: sequence n reads and (inplace) writes slot idx[n].
     2-D indices [N, C]: sequence n reads slot idx[n, num_accepted_tokens[n] - 1] (idx[n, 0] without
-    it) and writes the state after its token t to slot idx[n, t]. A read slot of -1 marks a padding
+    it) and writes the state after its token t to slot idx[n, t]. With parent_indices [N, C] (tree
+    verify) token t continues from the state of token parent[n, t], read back from its slot, when that is
+    not t - 1 (from the starting state, kept in registers, for -1). A read slot of -1 marks a padding
     sequence: no state memory is touched and its outputs are 0; a write slot of -1 skips that write.
 No host sync and no allocation besides o (and the final state when one is returned): CUDA-graph
 capturable.
@@ -39,13 +41,13 @@ def _softplus(x):
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, slots, num_accepted,
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, slots, num_accepted, parents,
     scale, T, T_total, N, stride_h0_slot, stride_ht_slot, stride_slots_seq, SLOT_COLS,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, READ: tl.constexpr, WRITE: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
     QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, V_FIRST: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, NEG_EIGVAL: tl.constexpr, V_FIRST: tl.constexpr, TREE: tl.constexpr,
 ):
     NV = tl.cdiv(V, BV)
     pid = tl.program_id(0).to(tl.int64)
@@ -104,6 +106,9 @@ def _gdn_recurrent_kernel(
         if HAS_DT_BIAS:
             b_bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
+    if TREE:
+        b_h_start = b_h  # a token with parent -1 restarts here: its slot may be overwritten by then
+
     p_q = q + (bos * H + i_h) * K + o_k
     p_k = k + (bos * H + i_h) * K + o_k
     p_v = v + (bos * HV + i_hv) * V + o_v
@@ -111,6 +116,19 @@ def _gdn_recurrent_kernel(
     p_beta = beta + bos * HV + i_hv
     p_o = o + (bos * HV + i_hv) * V + o_v
     for i_t in range(0, seq_len):
+        if TREE:
+            # a parent other than the previous token: its state, written to its slot by this program at that
+            # token (the barrier orders those stores before these loads across the program's threads)
+            # (a padding sequence may be longer than the index tensor: past it, the chain)
+            par = tl.load(parents + i_n * stride_slots_seq + i_t, mask=i_t < SLOT_COLS, other=i_t - 1).to(tl.int64)
+            jump = (offs_h * 0 + par) != i_t - 1
+            from_slot = jump & ((offs_h * 0 + par) >= 0)
+            par_slot = tl.load(slots + i_n * stride_slots_seq + tl.maximum(par, 0),
+                               mask=(par >= 0) & (par < SLOT_COLS), other=-1).to(tl.int64)
+            tl.debug_barrier()
+            b_par = tl.load(ht + tl.maximum(par_slot, 0) * stride_ht_slot + state_base + offs_h,
+                            mask=live_h & from_slot, other=0.0).to(tl.float32)
+            b_h = tl.where(from_slot, b_par, tl.where(jump, b_h_start, b_h))
         b_q = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
         b_k = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
         b_v = tl.load(p_v, mask=mask_v, other=0.0).to(tl.float32)
@@ -203,6 +221,9 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
     h0, A_log, dt_bias, cu = inputs.initial_state, inputs.A_log, inputs.dt_bias, inputs.cu_seqlens
     slots = getattr(inputs, "ssm_state_indices", None)
     accepted = getattr(inputs, "num_accepted_tokens", None)
+    parents = getattr(inputs, "parent_indices", None)
+    if parents is not None:  # read with the indices' row stride (both contiguous)
+        parents = parents.contiguous()
     N, HV, K, V = problem.N, problem.HV, problem.K, problem.V
     B, T = q.shape[0], q.shape[1]
 
@@ -239,7 +260,7 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
         A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         cu if cu is not None else dummy, slots if slots is not None else dummy,
-        accepted.contiguous() if accepted is not None else dummy,
+        accepted.contiguous() if accepted is not None else dummy, parents if parents is not None else dummy,
         problem.scale, T, B * T, N,
         h0.stride(0) if problem.serving else 0, ht.stride(0) if write in (2, 3) else 0,
         slots.stride(0) if slots is not None else 0, slots.shape[1] if slots is not None and slots.dim() == 2 else 1,
@@ -247,7 +268,7 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
         IS_VARLEN=cu is not None, READ=read, WRITE=write, HAS_ACCEPTED=accepted is not None,
         QK_L2NORM=problem.use_qk_l2norm_in_kernel, GATE_IN_KERNEL=problem.use_gate_in_kernel,
         HAS_DT_BIAS=problem.has_dt_bias, BETA_SIGMOID=problem.use_beta_sigmoid_in_kernel,
-        NEG_EIGVAL=problem.allow_neg_eigval, V_FIRST=problem.state_v_first,
+        NEG_EIGVAL=problem.allow_neg_eigval, V_FIRST=problem.state_v_first, TREE=parents is not None,
         num_warps=warps, num_stages=1,
     )
     return o, ht
