@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 import gdnkit  # noqa: E402
 import oracle  # noqa: E402  (tests/ is on sys.path)
 
-EXAMPLES = int(os.environ.get("GDNKIT_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("GDNKIT_FUZZ_EXAMPLES", "25"))
 DEVICE = os.environ.get("GDNKIT_FUZZ_DEVICE", "cpu")
 # fp32 on a GPU: the kernels' dots run as tf32
 BARS = {torch.float64: 1e-9, torch.float32: 1e-4 if DEVICE == "cpu" else 5e-3, torch.float16: 1e-2,
