@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    # Triton defines its own jit helpers (tl.sum, ...) when first imported, and the machine probe imports
-    # it while tests are collected: the interpreter must be chosen before any test module loads.
+    # Triton defines its own jit helpers (tl.sum, ...) when first imported, and test modules import it while
+    # they are collected: the interpreter must be chosen before any test module loads.
     os.environ["TRITON_INTERPRET"] = "1"
 
 
