@@ -7,6 +7,8 @@ loudly here instead of silently meaning another.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from gdnkit import autograd, dispatch
@@ -116,11 +118,19 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     """Which backend the same call would run, and every other backend's reasons (runs no kernel).
 
     `mode="recurrent"` explains fused_recurrent_gated_delta_rule instead. `str(decision)` reads well.
+    A forced `backend=` that cannot take the call is explained too (`decision.runs` is False, its reasons
+    listed) where the call itself would raise BackendNotSupportedError.
     """
     if mode not in (CHUNK_MODE, RECURRENT_MODE):
         raise ValueError(f"mode must be {CHUNK_MODE!r} or {RECURRENT_MODE!r}, got {mode!r}")
+    call = chunk_gated_delta_rule if mode == CHUNK_MODE else fused_recurrent_gated_delta_rule
+    taken = [name for name, p in inspect.signature(call).parameters.items() if p.kind == p.KEYWORD_ONLY and name != "backend"]
+    unknown = [name for name in options if name not in taken]
+    if unknown:
+        raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r}; with mode={mode!r} it takes "
+                        f"{call.__name__}'s: {', '.join(taken)}")
     problem, _ = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
-    return dispatch.select(problem, backend)[1]
+    return dispatch.decide(problem, backend)
 
 
 def available_backends() -> list[str]:

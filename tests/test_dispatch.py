@@ -236,3 +236,32 @@ def test_probe_reports_a_missing_package_without_importing(monkeypatch):
     with dispatch.use_machine(m):
         reasons = gdnkit.explain(**make_inputs(dtype=torch.float32)).reasons["tilelang_sm90"]
     assert "tilelang is not importable (not installed)" in reasons
+
+
+def test_explain_with_a_forced_backend_explains_instead_of_raising():
+    x = make_inputs(dtype=torch.float32)
+    with dispatch.use_machine(fake_machine("ada_sm89", "triton")):
+        decision = gdnkit.explain(**x, backend="tilelang_sm90")
+        with pytest.raises(gdnkit.BackendNotSupportedError):
+            gdnkit.chunk_gated_delta_rule(**x, backend="tilelang_sm90")
+    assert decision.chosen == "tilelang_sm90" and not decision.runs and decision.source == "argument"
+    text = str(decision)
+    assert "tilelang_sm90 (by argument), which cannot take this problem" in text
+    assert "tilelang is not importable" in text and "reference: could run\n" in text + "\n"
+    ok = gdnkit.explain(**x, backend="reference")
+    assert ok.runs and ok.chosen == "reference"
+    with pytest.raises(ValueError, match="unknown backend backend='nope'"):
+        gdnkit.explain(**x, backend="nope")
+
+
+def test_explain_names_itself_for_an_unknown_keyword():
+    x = make_inputs(dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"^explain\(\) got an unexpected keyword argument 'use_qk_l2norm'.*"
+                                        r"use_qk_l2norm_in_kernel"):
+        gdnkit.explain(**x, use_qk_l2norm=True)
+    with pytest.raises(TypeError, match="explain.*'ssm_state_indices'"):
+        gdnkit.explain(**x, ssm_state_indices=torch.zeros(1, dtype=torch.int32))   # a recurrent-only argument
+    pool = x.pop("initial_state")
+    decision = gdnkit.explain(**x, initial_state=pool, mode="recurrent",
+                              ssm_state_indices=torch.zeros(1, dtype=torch.int32))
+    assert decision.runs and decision.problem.serving
