@@ -19,18 +19,22 @@ def test_info_lists_machine_and_backends():
     assert "reference" in out.stdout and "available" in out.stdout
 
 
-def test_check_prints_table_and_writes_json(tmp_path):
+def test_check_gives_a_verdict_and_writes_json(tmp_path):
     path = tmp_path / "report.json"
     out = run("check", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "fwd err" in out.stdout and "reference" in out.stdout
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-1] == "PASS" and "error" in lines[1] and "tol" in lines[1] and "reference" in out.stdout
     report = json.loads(path.read_text())
-    assert report["machine"]["torch_version"]
-    rows = report["rows"]
-    assert {r["backend"] for r in rows} >= {"reference"}
-    for r in rows:
-        assert "error" not in r, r
-        assert r["fwd_err"] < 1e-3 and r["grad_err"] < 1e-3
+    assert report["machine"]["torch_version"] and report["verdict"]["pass"]
+    assert {r["backend"] for r in report["rows"]} >= {"reference"}
+    compared = run("check", "--compare", str(path), str(path))
+    assert compared.returncode == 0 and compared.stdout.rstrip().endswith("A: PASS   B: PASS"), compared.stdout
+
+
+def test_check_rejects_an_unknown_backend():
+    out = run("check", "--backends", "reference,nope")
+    assert out.returncode == 2 and "--backends: unknown backend 'nope'" in out.stderr
 
 
 def test_unknown_subcommand_fails_with_usage():
