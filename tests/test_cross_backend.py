@@ -1,7 +1,8 @@
-"""Every backend available on this machine against the reference, on random problems.
+"""Every backend available on this machine against check.py's float64 recurrence, one test per row of
+`python -m gdnkit check` (its sweep, its tolerances), so a failing row shows up as a failing test.
 
-Today the reference is the only backend on a CPU, so this checks the chunked reference (the form the
-kernels follow) against the float64 recurrence; each new backend is picked up by registering it.
+On a CPU the reference is the only backend (float32 rows here; test_check.py runs the whole sweep); on a GPU every
+available backend runs every dtype of the sweep, K = V = 64 plus the K = V = 128 rows tilelang_sm90 takes.
 """
 from __future__ import annotations
 
@@ -9,28 +10,25 @@ import pytest
 import torch
 
 import gdnkit
-from gdnkit.check import check_backend, problems
-
-BOUNDS = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-3, 1e-2), torch.float16: (5e-3, 1e-2)}
+from gdnkit import check
 
 
-def _setups():
+def _rows():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtypes = [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
-    K = 128 if device == "cuda" else 16
+    sweep = check.cases(64, hopper_rows=True) if device == "cuda" else check.cases(16, hopper_rows=False)
     for backend in gdnkit.available_backends():
-        for dtype in dtypes:
-            for p in problems(K):
-                yield pytest.param(backend, p, device, dtype, id=f"{backend}-{p.name}-{str(dtype)[6:]}")
+        for i, case in enumerate(sweep):
+            for dtype in case.dtypes if device == "cuda" else (torch.float32,):
+                yield pytest.param(backend, case, device, dtype, 100 * i,
+                                   id=f"{backend}-{case.name}-{str(dtype).removeprefix('torch.')}")
 
 
-@pytest.mark.parametrize("backend,problem,device,dtype", list(_setups()))
-def test_backend_matches_float64_reference(backend, problem, device, dtype):
-    row = check_backend(backend, problem, device, dtype, seed=123)
-    fwd_bound, grad_bound = BOUNDS[dtype]
-    ran = [k for k in ("fwd_err", "grad_err") if row.get(k) is not None]
-    assert ran, f"{backend} ran nothing: {row.get('skipped')}"
-    if row.get("fwd_err") is not None:
-        assert row["fwd_err"] < fwd_bound and row["state_err"] < fwd_bound, row
-    if row.get("grad_err") is not None:
-        assert row["grad_err"] < grad_bound, row
+@pytest.mark.parametrize("backend,case,device,dtype,seed", list(_rows()))
+def test_backend_matches_the_float64_recurrence(backend, case, device, dtype, seed):
+    call = check.make_call(case, dtype, device, seed)
+    want = check.truth(case, call, seed)
+    for run in ("forward", "gradients") if case.grads else ("forward",):
+        row = check.check_row(backend, case, dtype, run, call, want)
+        if "skipped" in row:
+            pytest.skip(f"{backend} declines {case.name} {run}: {row['skipped']}")
+        assert row["ok"], row
