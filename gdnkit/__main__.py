@@ -22,7 +22,7 @@ def _info(args) -> int:
     if not m.gpus:
         print("GPU: none visible")
     for name, version in m.packages.items():
-        print(f"{name}: {version or 'not importable (' + m.import_errors.get(name, '?') + ')'}")
+        print(f"{name}: {version or m.import_errors.get(name, 'not installed')}")
     print("\nbackends (highest priority first):")
     for b in dispatch.backends():
         why = b.unavailable_reasons(m)
