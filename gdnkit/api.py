@@ -12,7 +12,7 @@ import inspect
 import torch
 
 from gdnkit import autograd, dispatch
-from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs
+from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs, warn_positive_gates
 
 _ARGS_DOC = """
     Args:
@@ -64,6 +64,7 @@ def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, back
     problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state,
                                       **options)
     chosen, _ = dispatch.select(problem, backend)
+    warn_positive_gates(problem, g)
     # Kernels index raw memory; the reference does not care. One place makes layouts plain. A serving
     # pool is written in place, so it is never copied (validation checked its slots are contiguous).
     keep = ("initial_state",) if problem.serving else ()

@@ -175,11 +175,12 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def _warn_positive_gates(g: torch.Tensor) -> None:
-    """g is a log-space decay: g > 0 grows the state by exp(g) per token, which every backend computes as written
-    (it overflows within tens of tokens at g ~ 1). Checked on CPU tensors only: on a GPU the check would be a
-    host sync on every call."""
-    if g.device.type != "cpu" or g.numel() == 0:
+def warn_positive_gates(problem: Problem, g: torch.Tensor) -> None:
+    """g is a log-space decay: g > 0 (without use_gate_in_kernel) grows the state by exp(g) per token, which every
+    backend computes as written (it overflows within tens of tokens at g ~ 1). Checked by the public calls on CPU
+    tensors only: on a GPU the check would be a host sync on every call (validate_inputs itself reads nothing
+    back that a GPU call would not)."""
+    if problem.use_gate_in_kernel or g.device.type != "cpu" or g.numel() == 0:
         return
     top = float(g.detach().max())
     if top > 0:
@@ -413,8 +414,6 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
                 raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     elif A_log is not None or dt_bias is not None:
         raise ValueError("A_log/dt_bias are only used with use_gate_in_kernel=True; pass that flag or drop them")
-    else:
-        _warn_positive_gates(g)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True scales the in-kernel sigmoid of beta to [0, 2) and needs "
                          "use_beta_sigmoid_in_kernel=True")
