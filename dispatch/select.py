@@ -71,6 +71,11 @@ def _requested(backend: str | None) -> tuple[str, str]:
     return AUTO, "auto"
 
 
+def _origin(source: str) -> str:
+    """How the user named the backend, as the error repeats it."""
+    return "backend=" if source == "argument" else f"{ENV_VAR}="
+
+
 def decide(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> Decision:
     """The decision for `problem` without acting on it: a forced backend that cannot take the problem, or
     auto with no backend able to, is described (`Decision.runs` is False) rather than raised. An unknown
@@ -81,8 +86,7 @@ def decide(problem: Problem, backend: str | None = None, machine: Machine | None
         raise TypeError(f"backend must be a backend name (str) or None, got {type(name).__name__}")
     candidates = registry.backends()
     if name != AUTO and name not in {b.name for b in candidates}:
-        origin = "backend=" if source == "argument" else f"{ENV_VAR}="
-        raise ValueError(f"unknown backend {origin}{name!r}; valid names: {', '.join(valid_names())}")
+        raise ValueError(f"unknown backend {_origin(source)}{name!r}; valid names: {', '.join(valid_names())}")
     reasons = {b.name: b.reasons(problem, machine) for b in candidates}
     if name == AUTO:
         name = next((b.name for b in candidates if not reasons[b.name]), None)
@@ -95,8 +99,7 @@ def select(problem: Problem, backend: str | None = None, machine: Machine | None
         detail = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in decision.reasons.items())
         raise BackendNotSupportedError(f"no backend can run {problem.describe()}:\n{detail}")
     if not decision.runs:
-        origin = "backend=" if decision.source == "argument" else f"{ENV_VAR}="
-        raise BackendNotSupportedError(f"{origin}{decision.chosen!r} cannot run {problem.describe()}:\n  - "
+        raise BackendNotSupportedError(f"{_origin(decision.source)}{decision.chosen!r} cannot run {problem.describe()}:\n  - "
                                        + "\n  - ".join(decision.reasons[decision.chosen]))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("gdnkit dispatch: %s", str(decision).replace("\n", " | "))

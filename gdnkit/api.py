@@ -125,7 +125,8 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     if mode not in (CHUNK_MODE, RECURRENT_MODE):
         raise ValueError(f"mode must be {CHUNK_MODE!r} or {RECURRENT_MODE!r}, got {mode!r}")
     call = chunk_gated_delta_rule if mode == CHUNK_MODE else fused_recurrent_gated_delta_rule
-    taken = [name for name, p in inspect.signature(call).parameters.items() if p.kind == p.KEYWORD_ONLY and name != "backend"]
+    taken = [name for name, p in inspect.signature(call).parameters.items()
+             if p.kind == p.KEYWORD_ONLY and name != "backend"]
     unknown = [name for name in options if name not in taken]
     if unknown:
         raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r}; with mode={mode!r} it takes "
