@@ -1,14 +1,18 @@
 """What this machine can run: GPUs, compute capability, driver/toolkit and compiler versions.
 
-The probe runs once per process (it imports triton/tilelang, which is slow) and its result is
-plain data, so tests can inject the machine of any GPU generation with `use_machine`.
+The probe runs once per process and its result is plain data, so tests can inject the machine of any GPU
+generation with `use_machine`. It imports no compiler: triton and tilelang are found through their install
+metadata (importing them costs ~1 s on a CPU machine that never runs them), and the driver is asked through
+libcuda itself. A backend imports its compiler when it first runs.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
-import importlib
+import importlib.metadata
+import importlib.util
 import platform
 from typing import Iterator
 
@@ -38,7 +42,8 @@ class Machine:
     torch_cuda_version: str | None = None  # the CUDA toolkit torch was built with
     cuda_driver_version: str | None = None  # from the driver itself (cuda-python), when reachable
     cuda_driver_error: str | None = None  # why the driver could not be asked
-    # Optional compilers: name -> version, or None when the import failed (reason in import_errors).
+    # Optional compilers: name -> installed version (from its metadata, not imported), or None when it is not
+    # installed (the reason in import_errors).
     packages: dict[str, str | None] = dataclasses.field(default_factory=dict)
     import_errors: dict[str, str] = dataclasses.field(default_factory=dict)
     python_version: str = platform.python_version()
@@ -60,33 +65,34 @@ OPTIONAL_PACKAGES = ("triton", "tilelang")
 
 
 def _package_version(name: str) -> tuple[str | None, str | None]:
+    """(version, None) when the package is installed, else (None, why); imports nothing.
+
+    An installed package that fails to import is found here and fails when its backend first runs, with the
+    import's own error."""
     try:
-        module = importlib.import_module(name)
-    except Exception as exc:  # a broken install raises more than ImportError
+        if importlib.util.find_spec(name) is None:
+            return None, "not installed"
+    except (ImportError, ValueError) as exc:  # a parent package that cannot be found or a broken spec
         return None, f"{type(exc).__name__}: {exc}".strip()
-    return str(getattr(module, "__version__", "unknown")), None
+    try:
+        return importlib.metadata.version(name), None
+    except importlib.metadata.PackageNotFoundError:
+        # importable under another distribution name (e.g. pytorch-triton): installed, version unknown
+        return "unknown", None
 
 
 def _driver_version() -> tuple[str | None, str | None]:
-    """The CUDA driver's version through cuda-python; torch does not expose it.
-
-    Without a driver (CPU machines) cuda-python raises from its library finder rather than
-    returning an error code, so every failure is caught and reported as a reason.
-    """
+    """The CUDA driver's version, asked of libcuda directly (torch does not expose it; cuDriverGetVersion
+    needs no cuInit, so nothing is initialised)."""
     try:
-        from cuda.bindings import driver
-    except Exception as exc:
-        return None, f"cuda-python is not importable ({type(exc).__name__})"
-    try:
-        (err,) = driver.cuInit(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return None, f"cuInit failed: {err.name}"
-        err, version = driver.cuDriverGetVersion()
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return None, f"cuDriverGetVersion failed: {err.name}"
-    except Exception as exc:
-        return None, f"no NVIDIA driver ({type(exc).__name__})"
-    return f"{version // 1000}.{(version % 1000) // 10}", None
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, "no NVIDIA driver (libcuda.so.1 not found)"
+    version = ctypes.c_int(0)
+    err = libcuda.cuDriverGetVersion(ctypes.byref(version))
+    if err != 0:
+        return None, f"cuDriverGetVersion failed (CUresult {err})"
+    return f"{version.value // 1000}.{(version.value % 1000) // 10}", None
 
 
 def _gpus() -> tuple[GPU, ...]:

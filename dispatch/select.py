@@ -31,17 +31,30 @@ class Decision:
     """The outcome of a selection: who runs, why, and every other backend's reasons."""
 
     problem: Problem
-    chosen: str
+    chosen: str | None  # None: auto found no backend that can take the problem
     source: str  # "argument", "environment" or "auto"
     reasons: dict[str, list[str]]  # backend name -> reasons it can't take the problem (empty = could)
 
+    @property
+    def runs(self) -> bool:
+        """Whether the call would run (False: a forced backend with reasons, or no backend at all)."""
+        return self.chosen is not None and not self.reasons[self.chosen]
+
     def __str__(self) -> str:
-        lines = [f"problem: {self.problem.describe()}",
-                 f"chosen: {self.chosen} (by {self.source})"]
+        lines = [f"problem: {self.problem.describe()}"]
+        if self.chosen is None:
+            lines.append("chosen: none, no backend can take this problem (the call raises BackendNotSupportedError)")
+        elif not self.runs:
+            lines.append(f"chosen: {self.chosen} (by {self.source}), which cannot take this problem (the call "
+                         f"raises BackendNotSupportedError):")
+            lines += [f"    - {why}" for why in self.reasons[self.chosen]]
+        else:
+            lines.append(f"chosen: {self.chosen} (by {self.source})")
         for name, why in self.reasons.items():
             if name == self.chosen:
                 continue
-            lines.append(f"  {name}: " + ("could run, lower priority" if not why else "; ".join(why)))
+            could = "could run" + (", lower priority" if self.source == "auto" else "")
+            lines.append(f"  {name}: " + (could if not why else "; ".join(why)))
         return "\n".join(lines)
 
 
@@ -58,30 +71,36 @@ def _requested(backend: str | None) -> tuple[str, str]:
     return AUTO, "auto"
 
 
-def select(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> tuple[Backend, Decision]:
+def _origin(source: str) -> str:
+    """How the user named the backend, as the error repeats it."""
+    return "backend=" if source == "argument" else f"{ENV_VAR}="
+
+
+def decide(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> Decision:
+    """The decision for `problem` without acting on it: a forced backend that cannot take the problem, or
+    auto with no backend able to, is described (`Decision.runs` is False) rather than raised. An unknown
+    backend name still raises ValueError."""
     machine = machine or current_machine()
     name, source = _requested(backend)
     if not isinstance(name, str):
         raise TypeError(f"backend must be a backend name (str) or None, got {type(name).__name__}")
     candidates = registry.backends()
-    by_name = {b.name: b for b in candidates}
-    if name != AUTO and name not in by_name:
-        origin = "backend=" if source == "argument" else f"{ENV_VAR}="
-        raise ValueError(f"unknown backend {origin}{name!r}; valid names: {', '.join(valid_names())}")
-
+    if name != AUTO and name not in {b.name for b in candidates}:
+        raise ValueError(f"unknown backend {_origin(source)}{name!r}; valid names: {', '.join(valid_names())}")
     reasons = {b.name: b.reasons(problem, machine) for b in candidates}
-    if name != AUTO:
-        if reasons[name]:
-            origin = "backend=" if source == "argument" else f"{ENV_VAR}="
-            raise BackendNotSupportedError(
-                f"{origin}{name!r} cannot run {problem.describe()}:\n  - " + "\n  - ".join(reasons[name]))
-        chosen = by_name[name]
-    else:
-        chosen = next((b for b in candidates if not reasons[b.name]), None)
-        if chosen is None:
-            detail = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in reasons.items())
-            raise BackendNotSupportedError(f"no backend can run {problem.describe()}:\n{detail}")
-    decision = Decision(problem=problem, chosen=chosen.name, source=source, reasons=reasons)
+    if name == AUTO:
+        name = next((b.name for b in candidates if not reasons[b.name]), None)
+    return Decision(problem=problem, chosen=name, source=source, reasons=reasons)
+
+
+def select(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> tuple[Backend, Decision]:
+    decision = decide(problem, backend, machine)
+    if decision.chosen is None:
+        detail = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in decision.reasons.items())
+        raise BackendNotSupportedError(f"no backend can run {problem.describe()}:\n{detail}")
+    if not decision.runs:
+        raise BackendNotSupportedError(f"{_origin(decision.source)}{decision.chosen!r} cannot run {problem.describe()}:\n  - "
+                                       + "\n  - ".join(decision.reasons[decision.chosen]))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("gdnkit dispatch: %s", str(decision).replace("\n", " | "))
-    return chosen, decision
+    return registry.get(decision.chosen), decision

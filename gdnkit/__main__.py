@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -21,7 +22,7 @@ def _info(args) -> int:
     if not m.gpus:
         print("GPU: none visible")
     for name, version in m.packages.items():
-        print(f"{name}: {version or 'not importable (' + m.import_errors.get(name, '?') + ')'}")
+        print(f"{name}: {version or m.import_errors.get(name, 'not installed')}")
     print("\nbackends (highest priority first):")
     for b in dispatch.backends():
         why = b.unavailable_reasons(m)
@@ -31,14 +32,24 @@ def _info(args) -> int:
 
 
 def _check(args) -> int:
-    from gdnkit.check import format_table, run_check, write_json
-    report = run_check(args.backends.split(",") if args.backends else None, seed=args.seed)
-    print(f"gdnkit check on {report['device']} ({report['date']})")
-    print(format_table(report))
+    from gdnkit import check
+    if args.compare:
+        reports = []
+        for path in args.compare:
+            with open(path) as f:
+                reports.append(json.load(f))
+        print(check.format_comparison(*reports))
+        return 0
+    try:
+        report = check.run_check(args.backends.split(",") if args.backends else None, seed=args.seed)
+    except ValueError as exc:  # an unknown --backends name
+        print(f"--backends: {exc}", file=sys.stderr)
+        return 2
+    print(check.format_report(report))
     if args.json:
-        write_json(report, args.json)
-        print(f"report written to {args.json}")
-    return 1 if any("error" in r for r in report["rows"]) else 0
+        check.write_json(report, args.json)
+        print(f"report written to {args.json}", file=sys.stderr)
+    return 0 if report["verdict"]["pass"] else 1
 
 
 def _warm(args) -> int:
@@ -90,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gdnkit", description=gdnkit.__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="the machine probe and each backend's availability with reasons")
-    check = sub.add_parser("check", help="every available backend against the float64 reference")
-    check.add_argument("--json", metavar="PATH", help="also write the report (machine probe included) as JSON")
+    check = sub.add_parser("check", help="every available backend against a float64 recurrence, with a verdict "
+                                         "(PASS, or FAIL and exit code 1)")
+    check.add_argument("--json", metavar="PATH", help="also write the report (machine probe, rows, verdict) as JSON")
+    check.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                       help="print two --json reports side by side (e.g. two GPU generations) instead of checking")
     check.add_argument("--backends", help="comma-separated backend names (default: all available)")
     check.add_argument("--seed", type=int, default=0)
     warm = sub.add_parser("warm", help="build the tilelang_sm90 kernels of head configs before their first call "

@@ -9,11 +9,12 @@ positional call was written in, so no call means something else here than there.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
 from gdnkit import autograd, dispatch, seqlayout
-from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs
+from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs, warn_positive_gates
 
 _ARGS_DOC = """
     Args:
@@ -91,6 +92,7 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
     if needs_grad is not None:
         problem = dataclasses.replace(problem, needs_grad=needs_grad)
     chosen, _ = dispatch.select(problem, backend)
+    warn_positive_gates(problem, g)
     # Kernels index raw memory; the reference does not care. One place makes layouts plain. A serving
     # pool is written in place, so it is never copied (validation checked its slots are contiguous).
     keep = ("initial_state",) if problem.serving else ()
@@ -282,11 +284,20 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     """Which backend the same call would run, and every other backend's reasons (runs no kernel).
 
     `mode="recurrent"` explains fused_recurrent_gated_delta_rule instead. `str(decision)` reads well.
+    A forced `backend=` that cannot take the call is explained too (`decision.runs` is False, its reasons
+    listed) where the call itself would raise BackendNotSupportedError.
     """
     if mode not in (CHUNK_MODE, RECURRENT_MODE):
         raise ValueError(f"mode must be {CHUNK_MODE!r} or {RECURRENT_MODE!r}, got {mode!r}")
+    call = chunk_gated_delta_rule if mode == CHUNK_MODE else fused_recurrent_gated_delta_rule
+    taken = [name for name, p in inspect.signature(call).parameters.items()
+             if p.kind == p.KEYWORD_ONLY and name != "backend"]
+    unknown = [name for name in options if name not in taken]
+    if unknown:
+        raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r}; with mode={mode!r} it takes "
+                        f"{call.__name__}'s: {', '.join(taken)}")
     problem, _ = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
-    return dispatch.select(problem, backend)[1]
+    return dispatch.decide(problem, backend)
 
 
 def available_backends() -> list[str]:

@@ -6,6 +6,9 @@ rejects bad input with a ValueError/TypeError naming the argument, before any ke
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -150,6 +153,53 @@ def _require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], layout
     if tuple(t.shape) != tuple(expected):
         want = "[" + ", ".join(map(str, expected)) + "]"
         raise ValueError(f"{name} must have shape {layout} = {want}, got {_shape(t)}")
+
+
+def _head_first_hint(q: torch.Tensor, v: torch.Tensor, *gates: torch.Tensor) -> str | None:
+    """What to say when q/k/v read consistently as the head-first layout [B, H, T, K] (FLA's old
+    head_first=True), with fewer heads than tokens; None when they do not."""
+    if v.dim() != 4:
+        return None
+    B, H, T, HV = q.shape[0], q.shape[1], q.shape[2], v.shape[1]
+    if not (v.shape[0] == B and v.shape[2] == T and H < T and HV % H == 0):
+        return None
+    if any(tuple(x.shape) not in ((B, T, HV), (B, HV, T)) for x in gates):
+        return None
+    return (f"q, k and v look head-first: q {_shape(q)} and v {_shape(v)} read as [B, H, T, K] and [B, HV, T, V] "
+            f"with H={H}, HV={HV} heads and T={T} tokens. gdnkit takes FLA's [B, T, H, K] layout (sequence before "
+            f"heads): pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), and g and beta as [B, T, HV]")
+
+
+class PositiveGateWarning(UserWarning):
+    """g > 0 without use_gate_in_kernel: the state grows by exp(g) per token instead of decaying."""
+
+
+# Frames of these directories are the library's public calls (and torch.compiler.disable's wrapper around them): a
+# warning names the first frame outside them, so Python's default filter shows it once per call site in user code.
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _caller_stacklevel() -> int:
+    frame, level = sys._getframe(1), 1  # level 1: the function calling warnings.warn, our caller
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_positive_gates(problem: Problem, g: torch.Tensor) -> None:
+    """g is a log-space decay: g > 0 (without use_gate_in_kernel) grows the state by exp(g) per token, which every
+    backend computes as written (it overflows within tens of tokens at g ~ 1). Checked by the public calls on CPU
+    tensors only: on a GPU the check would be a host sync on every call (validate_inputs itself reads nothing
+    back that a GPU call would not)."""
+    if problem.use_gate_in_kernel or g.device.type != "cpu" or g.numel() == 0:
+        return
+    top = float(g.detach().max())
+    if top > 0:
+        warnings.warn(f"g has positive values (max {top:.3g}): g is the log of each token's state decay (<= 0), so "
+                      f"g > 0 grows the state by exp(g) per token. Pass the raw gate with use_gate_in_kernel=True "
+                      f"(and A_log), or a log-decay such as F.logsigmoid(x)", PositiveGateWarning,
+                      stacklevel=_caller_stacklevel())
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
@@ -396,7 +446,8 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
     if tuple(k.shape) != tuple(q.shape):
         raise ValueError(f"k must have the same shape as q [B, T, H, K] = {_shape(q)}, got {_shape(k)}")
     if tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v must have shape [B, T, HV, V] with B={B}, T={T} as q, got {_shape(v)}")
+        raise ValueError(_head_first_hint(q, v) or
+                         f"v must have shape [B, T, HV, V] with B={B}, T={T} as q, got {_shape(v)}")
     HV, V = v.shape[2], v.shape[3]
     if H == 0 or HV % H != 0:
         raise ValueError(f"the number of value heads must be a multiple of the q/k heads: v has HV={HV}, "
@@ -410,8 +461,10 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
         if t.dtype != q.dtype:
             raise TypeError(f"q, k and v must share one floating dtype: q is {q.dtype}, {name} is {t.dtype}")
 
-    _require_shape("g", g, (B, T, HV), "[B, T, HV]")
-    _require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, HV) and (hint := _head_first_hint(q, v, g, beta)):
+            raise ValueError(hint)
+        _require_shape(name, t, (B, T, HV), "[B, T, HV]")
     for name, t in (("g", g), ("beta", beta)):
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")

@@ -336,6 +336,7 @@ def test_merge_replaces_same_key_keeps_others_drops_failed():
 
 # -- end to end and report -----------------------------------------------------------------------
 def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")  # the chart: the bench extra
     # Fewer repetitions than the floor of 20 keep this smoke test fast on a busy CPU; the rows'
     # shape and the merging are what it checks, not the numbers.
     monkeypatch.setattr(timing, "MIN_REPS", 3)
@@ -416,6 +417,7 @@ def test_first_call_table_takes_the_newest_run():
 
 
 def test_report_ratios_and_chart(tmp_path):
+    pytest.importorskip("matplotlib")  # the chart: the bench extra
     def row(impl, ms, seq="1x2048", same=True):
         return {"pass": "fwd", "H": 2, "HV": 8, "seqlens": seq, "B": None, "impl": impl, "kernel_ms": ms,
                 "eager_ms": ms + 1, "peak_mem_bytes": 2**20, "rel_err_vs_ref": 2e-3, "anchor_same_run": same,

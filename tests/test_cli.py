@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from gdnkit.__main__ import main
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "gdnkit", *args], capture_output=True, text=True, timeout=300)
@@ -19,31 +21,39 @@ def test_info_lists_machine_and_backends():
     assert "reference" in out.stdout and "available" in out.stdout
 
 
-def test_check_prints_table_and_writes_json(tmp_path):
+def test_check_gives_a_verdict_and_writes_json(tmp_path):
     path = tmp_path / "report.json"
     out = run("check", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "fwd err" in out.stdout and "reference" in out.stdout
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-1] == "PASS" and "error" in lines[1] and "tol" in lines[1] and "reference" in out.stdout
     report = json.loads(path.read_text())
-    assert report["machine"]["torch_version"]
-    rows = report["rows"]
-    assert {r["backend"] for r in rows} >= {"reference"}
-    for r in rows:
-        assert "error" not in r, r
-        assert r["fwd_err"] < 1e-3 and r["grad_err"] < 1e-3
+    assert report["machine"]["torch_version"] and report["verdict"]["pass"]
+    assert {r["backend"] for r in report["rows"]} >= {"reference"}
+    compared = run("check", "--compare", str(path), str(path))
+    assert compared.returncode == 0 and compared.stdout.rstrip().endswith("A: PASS   B: PASS"), compared.stdout
 
 
-def test_unknown_subcommand_fails_with_usage():
-    out = run("nope")
-    assert out.returncode != 0 and "usage" in out.stderr
+# The argument errors below run main() in this process: a Python start importing torch per case costs more than
+# the checks themselves (the two tests above start the command as a user does).
+def test_check_rejects_an_unknown_backend(capsys):
+    assert main(["check", "--backends", "reference,nope"]) == 2
+    assert "--backends: unknown backend 'nope'" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_fails_with_usage(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["nope"])
+    assert exit_.value.code != 0 and "usage" in capsys.readouterr().err
 
 
 def test_warm_rejects_bad_heads_and_dtypes():
     for args, message in ((("--heads", "4x6"), "HV must be a positive multiple of H"),
                           (("--heads", "16"), "expected HxHV pairs"),
                           (("--heads", "4x8", "--dtypes", "float32"), "tilelang_sm90 builds bfloat16, float16")):
-        p = run("warm", *args)
-        assert p.returncode != 0 and message in p.stderr, (args, p.stderr)
+        with pytest.raises(SystemExit) as exit_:
+            main(["warm", *args])
+        assert exit_.value.code != 0 and message in str(exit_.value.code), args
 
 
 def test_warm_family_covers_training_and_inference():

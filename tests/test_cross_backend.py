@@ -1,8 +1,8 @@
-"""Every backend available on this machine against tests/oracle.py (the README's recurrence written in the tests,
-in float64), on `gdnkit check`'s problems: output, final state and every gradient.
+"""Every backend available on this machine against check.py's float64 recurrence, one test per row of
+`python -m gdnkit check` (its sweep, its tolerances), so a failing row shows up as a failing test.
 
-The truth is never the library's own reference: on a CPU the reference is the only backend, and holding its
-float32 run to its float64 run would let a mistake common to both (a default, a formula) pass.
+On a CPU the reference is the only backend (float32 rows here; test_check.py runs the whole sweep); on a GPU every
+available backend runs every dtype of the sweep, K = V = 64 plus the K = V = 128 rows tilelang_sm90 takes.
 """
 from __future__ import annotations
 
@@ -10,27 +10,25 @@ import pytest
 import torch
 
 import gdnkit
-from gdnkit.check import make_call, problems
-
-from test_oracle import assert_gradients_match  # noqa: E402  (tests/ is on sys.path)
-
-BOUNDS = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-3, 1e-2), torch.float16: (5e-3, 1e-2)}
+from gdnkit import check
 
 
-def _setups():
+def _rows():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtypes = [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32]
-    K = 128 if device == "cuda" else 16
+    sweep = check.cases(64, hopper_rows=True) if device == "cuda" else check.cases(16, hopper_rows=False)
     for backend in gdnkit.available_backends():
-        for dtype in dtypes:
-            for p in problems(K):
-                yield pytest.param(backend, p, device, dtype, id=f"{backend}-{p.name}-{str(dtype)[6:]}")
+        for i, case in enumerate(sweep):
+            for dtype in case.dtypes if device == "cuda" else (torch.float32,):
+                yield pytest.param(backend, case, device, dtype, 100 * i,
+                                   id=f"{backend}-{case.name}-{str(dtype).removeprefix('torch.')}")
 
 
-@pytest.mark.parametrize("backend,problem,device,dtype", list(_setups()))
-def test_backend_matches_the_oracle(backend, problem, device, dtype):
-    if backend == "tilelang_sm90" and problem.K != 128:
-        pytest.skip("tilelang_sm90 is built for K = V = 128")
-    call = make_call(problem, dtype, device, seed=123)
-    fwd_bound, grad_bound = BOUNDS[dtype]
-    assert_gradients_match(backend, gdnkit.chunk_gated_delta_rule, call, dtype, grad_bound, fwd_bound)
+@pytest.mark.parametrize("backend,case,device,dtype,seed", list(_rows()))
+def test_backend_matches_the_float64_recurrence(backend, case, device, dtype, seed):
+    call = check.make_call(case, dtype, device, seed)
+    want = check.truth(case, call, seed)
+    for run in ("forward", "gradients") if case.grads else ("forward",):
+        row = check.check_row(backend, case, dtype, run, call, want)
+        if "skipped" in row:
+            pytest.skip(f"{backend} declines {case.name} {run}: {row['skipped']}")
+        assert row["ok"], row

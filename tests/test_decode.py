@@ -66,6 +66,7 @@ def make_pool(slots, HV, K, V, *, v_first=False, dtype=torch.float32, seed=1, de
 
 def triton_run(call, **kw):
     """The kernel's wrapper on a validated problem (serving pools are updated in place)."""
+    pytest.importorskip("triton")  # the gpu extra (a CPU install with only the test extra has no Triton)
     from gdnkit.backends.triton_generic.fused_recurrent import fused_recurrent_forward
     problem, inputs = validate_inputs(RECURRENT_MODE, **call)
     with torch.no_grad():

@@ -183,3 +183,80 @@ def test_probe_on_this_machine_reports_what_it_found():
 
 def test_available_backends_includes_reference():
     assert "reference" in gdnkit.available_backends()
+
+
+_CPU_CALL = """
+import sys, torch
+import torch.nn.functional as F
+{prelude}
+import gdnkit
+r = torch.randn
+q, k = r(1, 9, 2, 16), F.normalize(r(1, 9, 2, 16), dim=-1)
+v, g, beta = r(1, 9, 4, 16), F.logsigmoid(r(1, 9, 4)), torch.rand(1, 9, 4)
+gdnkit.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+gdnkit.fused_recurrent_gated_delta_rule(q, k, v, g, beta)
+print(gdnkit.explain(q, k, v, g, beta).chosen, dict(gdnkit.dispatch.machine().packages))
+print(sorted({m.split(".")[0] for m in sys.modules} & {"triton", "tilelang"}))
+"""
+
+
+@pytest.mark.parametrize("stub_dynamo", [True, False], ids=["gdnkit-only", "as-installed"])
+def test_import_and_cpu_call_import_no_gpu_compiler(stub_dynamo):
+    """The probe finds triton/tilelang by their metadata; a CPU call never imports them. gdnkit's own imports are
+    measured with torch.compiler.disable stubbed out: torch._dynamo (which that decorator imports) imports triton
+    itself when it is installed, which is torch's doing, not gdnkit's; tilelang it never imports."""
+    import os
+    import subprocess
+    import sys
+
+    prelude = ("torch.compiler.disable = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)"
+               if stub_dynamo else "")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}  # a user's CPU machine: no interpreter
+    out = subprocess.run([sys.executable, "-c", _CPU_CALL.replace("{prelude}", prelude)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    chosen, imported = out.stdout.strip().splitlines()[-2:]
+    assert chosen.startswith("reference")
+    forbidden = {"triton", "tilelang"} if stub_dynamo else {"tilelang"}
+    assert not forbidden & set(eval(imported)), out.stdout
+
+
+def test_probe_reports_a_missing_package_without_importing(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tilelang" else real(name, *a))
+    m = dispatch.probe_machine()
+    assert m.packages["tilelang"] is None and m.import_errors["tilelang"] == "not installed"
+    with dispatch.use_machine(m):
+        reasons = gdnkit.explain(**make_inputs(dtype=torch.float32)).reasons["tilelang_sm90"]
+    assert "tilelang is not importable (not installed)" in reasons
+
+
+def test_explain_with_a_forced_backend_explains_instead_of_raising():
+    x = make_inputs(dtype=torch.float32)
+    with dispatch.use_machine(fake_machine("ada_sm89", "triton")):
+        decision = gdnkit.explain(**x, backend="tilelang_sm90")
+        with pytest.raises(gdnkit.BackendNotSupportedError):
+            gdnkit.chunk_gated_delta_rule(**x, backend="tilelang_sm90")
+    assert decision.chosen == "tilelang_sm90" and not decision.runs and decision.source == "argument"
+    text = str(decision)
+    assert "tilelang_sm90 (by argument), which cannot take this problem" in text
+    assert "tilelang is not importable" in text and "reference: could run\n" in text + "\n"
+    ok = gdnkit.explain(**x, backend="reference")
+    assert ok.runs and ok.chosen == "reference"
+    with pytest.raises(ValueError, match="unknown backend backend='nope'"):
+        gdnkit.explain(**x, backend="nope")
+
+
+def test_explain_names_itself_for_an_unknown_keyword():
+    x = make_inputs(dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"^explain\(\) got an unexpected keyword argument 'use_qk_l2norm'.*"
+                                        r"use_qk_l2norm_in_kernel"):
+        gdnkit.explain(**x, use_qk_l2norm=True)
+    with pytest.raises(TypeError, match="explain.*'ssm_state_indices'"):
+        gdnkit.explain(**x, ssm_state_indices=torch.zeros(1, dtype=torch.int32))   # a recurrent-only argument
+    pool = x.pop("initial_state")
+    decision = gdnkit.explain(**x, initial_state=pool, mode="recurrent",
+                              ssm_state_indices=torch.zeros(1, dtype=torch.int32))
+    assert decision.runs and decision.problem.serving

@@ -41,6 +41,7 @@ def test_wheel_contents(tmp_path):
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow
 def test_installed_layout_is_namespaced(tmp_path):
     # In a fresh interpreter outside the checkout, so the repository root is not on sys.path.
     code = ("import gdnkit.backends.reference, gdnkit.dispatch, importlib.util\n"

@@ -376,6 +376,7 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
+@pytest.mark.slow  # four Python processes importing torch
 def test_fused_backward_rule_and_its_switch(monkeypatch):
     """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
     FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
@@ -422,6 +423,7 @@ def test_fused_backward_rule_and_its_switch(monkeypatch):
     assert "GDNKIT_SM90_FUSED_BACKWARD" in run.stderr
 
 
+@pytest.mark.slow  # three Python processes importing torch
 def test_recompute_programs_an_sm_and_their_switch(monkeypatch):
     """Two programs an SM only for the fused path's recompute at 64 columns (the build that stores X and fits
     twice), GDNKIT_SM90_RECOMPUTE_PER_SM=1 for one, anything else refused by name at import."""
