@@ -34,6 +34,7 @@ class Decision:
     chosen: str
     source: str  # "argument", "environment" or "auto"
     reasons: dict[str, list[str]]  # backend name -> reasons it can't take the problem (empty = could)
+    plan: str | None = None  # how the chosen backend would run it (explain(): Backend.plan), where it says
 
     def __str__(self) -> str:
         lines = [f"problem: {self.problem.describe()}",
@@ -42,6 +43,8 @@ class Decision:
             if name == self.chosen:
                 continue
             lines.append(f"  {name}: " + ("could run, lower priority" if not why else "; ".join(why)))
+        if self.plan:
+            lines += ["plan:", *(f"  {line}" for line in self.plan.splitlines())]
         return "\n".join(lines)
 
 

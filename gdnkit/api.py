@@ -7,6 +7,8 @@ loudly here instead of silently meaning another.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gdnkit import autograd, dispatch
@@ -113,14 +115,17 @@ fused_recurrent_gated_delta_rule.__doc__ += _ARGS_DOC + _SERVING_DOC
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
             mode: str = CHUNK_MODE, backend: str | None = None, **options) -> dispatch.Decision:
-    """Which backend the same call would run, and every other backend's reasons (runs no kernel).
+    """Which backend the same call would run, every other backend's reasons, and where the chosen backend says
+    how it would run the call, its plan (runs no kernel).
 
     `mode="recurrent"` explains fused_recurrent_gated_delta_rule instead. `str(decision)` reads well.
     """
     if mode not in (CHUNK_MODE, RECURRENT_MODE):
         raise ValueError(f"mode must be {CHUNK_MODE!r} or {RECURRENT_MODE!r}, got {mode!r}")
-    problem, _ = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
-    return dispatch.select(problem, backend)[1]
+    problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
+    chosen, decision = dispatch.select(problem, backend)
+    plan = chosen.plan(problem, inputs, dispatch.machine())
+    return dataclasses.replace(decision, plan=plan) if plan else decision
 
 
 def available_backends() -> list[str]:

@@ -1692,6 +1692,34 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected):
 
 
 
+def test_plan_in_explain():
+    """The backend's plan as explain() shows it, from the layout, the heads and the SM count alone (a machine
+    given as data; no GPU, no kernel): 2/8 with one sequence of 32768 tokens on 132 SMs takes the wide route in
+    16 segments of 32 chunks, its backward the fused kernel in those segments (4096 chunks x heads, each program
+    32 chunks, within 1.6x the SMs' even share of 31), the staged path where the Config says so."""
+    from gdnkit.backends.tilelang_sm90 import BACKEND, config
+    from gdnkit.dispatch import Decision
+    from gdnkit.dispatch.machine import GPU, Machine
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    machine = Machine(gpus=(GPU(0, "H200", (9, 0), 132, 0),), packages={"triton": "3", "tilelang": "0"})
+    T, H, HV = 32768, 2, 8
+    q, k = torch.randn(1, T, H, K, dtype=torch.bfloat16), torch.randn(1, T, H, K, dtype=torch.bfloat16)
+    v = torch.randn(1, T, HV, V, dtype=torch.bfloat16)
+    g, beta = F.logsigmoid(torch.randn(1, T, HV)), torch.rand(1, T, HV)
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta)
+    text = BACKEND.plan(problem, inputs, machine)
+    assert text.splitlines()[0] == "route: wide, 16 segments of 32 chunks (132 SMs)", text
+    assert "backward" not in text   # inference
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v.requires_grad_(), g, beta)
+    assert "backward: fused (backward_fused.py), in the wide route's 16 segments" in BACKEND.plan(problem, inputs,
+                                                                                                 machine)
+    with config.configured(fused_backward=False):
+        text = BACKEND.plan(problem, inputs, machine)
+    assert "backward: staged, reverse pass chained" in text, text
+    shown = str(Decision(problem, "tilelang_sm90", "auto", {}, plan=text))
+    assert shown.endswith("plan:\n" + "\n".join("  " + line for line in text.splitlines())), shown
+
+
 @pytest.mark.parametrize("H,HV,lengths,expected", [
     (2, 8, [32768], 32),        # 16 segments x 8 heads: 128 programs of 128 columns for 132 SMs
     (4, 16, [32768], 64),
