@@ -41,6 +41,11 @@ class Backend(abc.ABC):
             reasons = [*reasons, "does not implement the serving state pool (ssm_state_indices)"]
         return reasons
 
+    def plan(self, problem: Problem, inputs: GDNInputs, machine: Machine) -> str | None:
+        """How this backend would run the call, in a few lines (gdnkit.explain); None where it has nothing to
+        add."""
+        return None
+
     # Entry points. `saved` is whatever the backend's forward keeps for its backward (tensors or
     # an object holding them); gdnkit's autograd glue stores it and hands it back unchanged.
     @abc.abstractmethod

@@ -34,6 +34,7 @@ class Decision:
     chosen: str | None  # None: auto found no backend that can take the problem
     source: str  # "argument", "environment" or "auto"
     reasons: dict[str, list[str]]  # backend name -> reasons it can't take the problem (empty = could)
+    plan: str | None = None  # how the chosen backend would run it (explain(): Backend.plan), where it says
 
     @property
     def runs(self) -> bool:
@@ -55,6 +56,8 @@ class Decision:
                 continue
             could = "could run" + (", lower priority" if self.source == "auto" else "")
             lines.append(f"  {name}: " + (could if not why else "; ".join(why)))
+        if self.plan:
+            lines += ["plan:", *(f"  {line}" for line in self.plan.splitlines())]
         return "\n".join(lines)
 
 

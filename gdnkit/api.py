@@ -279,9 +279,14 @@ chunk_gated_delta_rule.__doc__ += _ARGS_DOC + _POOL_PREFILL_DOC
 fused_recurrent_gated_delta_rule.__doc__ += _ARGS_DOC + _SERVING_DOC
 
 
+# explain's own leading arguments, shared with both calls
+_EXPLAIN_LEADING = ("mode", "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state")
+
+
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
             mode: str = CHUNK_MODE, backend: str | None = None, **options) -> dispatch.Decision:
-    """Which backend the same call would run, and every other backend's reasons (runs no kernel).
+    """Which backend the same call would run, every other backend's reasons, and where the chosen backend says
+    how it would run the call, its plan (runs no kernel).
 
     `mode="recurrent"` explains fused_recurrent_gated_delta_rule instead. `str(decision)` reads well.
     A forced `backend=` that cannot take the call is explained too (`decision.runs` is False, its reasons
@@ -290,14 +295,21 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     if mode not in (CHUNK_MODE, RECURRENT_MODE):
         raise ValueError(f"mode must be {CHUNK_MODE!r} or {RECURRENT_MODE!r}, got {mode!r}")
     call = chunk_gated_delta_rule if mode == CHUNK_MODE else fused_recurrent_gated_delta_rule
-    taken = [name for name, p in inspect.signature(call).parameters.items()
-             if p.kind == p.KEYWORD_ONLY and name != "backend"]
+    # the options the call takes that mean something (FLA's hints and `backend` aside), by name
+    meaningful = inspect.signature(validate_inputs).parameters
+    taken = [name for name in inspect.signature(call).parameters
+             if name in meaningful and name not in _EXPLAIN_LEADING]
     unknown = [name for name in options if name not in taken]
     if unknown:
         raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r}; with mode={mode!r} it takes "
                         f"{call.__name__}'s: {', '.join(taken)}")
-    problem, _ = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
-    return dispatch.decide(problem, backend)
+    problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
+    decision = dispatch.decide(problem, backend)
+    if decision.runs:
+        plan = dispatch.get(decision.chosen).plan(problem, inputs, dispatch.machine())
+        if plan:
+            decision = dataclasses.replace(decision, plan=plan)
+    return decision
 
 
 def available_backends() -> list[str]:

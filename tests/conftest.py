@@ -57,6 +57,17 @@ def make_inputs(B=1, T=70, H=2, HV=4, K=16, V=8, dtype=torch.float64, device="cp
 
 
 @pytest.fixture
+def sm90_config():
+    """configure(**changes): the sm90 backend plans with its Config changed so for the rest of the test
+    (config.configured, undone at the test's end), e.g. configure(fused_backward=True)."""
+    import contextlib
+
+    from gdnkit.backends.tilelang_sm90 import config
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(config.configured(**changes))
+
+
+@pytest.fixture
 def poisoned_empty(monkeypatch):
     """torch.empty / empty_like / new_empty hand out NaN-filled floating tensors: an output row no kernel
     writes (and nothing zeroes) shows up as NaN instead of as whatever zeros the allocator had."""

@@ -254,8 +254,8 @@ def test_explain_names_itself_for_an_unknown_keyword():
     with pytest.raises(TypeError, match=r"^explain\(\) got an unexpected keyword argument 'use_qk_l2norm'.*"
                                         r"use_qk_l2norm_in_kernel"):
         gdnkit.explain(**x, use_qk_l2norm=True)
-    with pytest.raises(TypeError, match="explain.*'ssm_state_indices'"):
-        gdnkit.explain(**x, ssm_state_indices=torch.zeros(1, dtype=torch.int32))   # a recurrent-only argument
+    with pytest.raises(TypeError, match="explain.*'num_accepted_tokens'"):
+        gdnkit.explain(**x, num_accepted_tokens=torch.ones(1, dtype=torch.int32))   # a recurrent-only argument
     pool = x.pop("initial_state")
     decision = gdnkit.explain(**x, initial_state=pool, mode="recurrent",
                               ssm_state_indices=torch.zeros(1, dtype=torch.int32))

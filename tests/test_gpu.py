@@ -48,12 +48,11 @@ BACKENDS = _backends()
 GRAD_BACKENDS = BACKENDS + (["tilelang_sm90+fused"] if "tilelang_sm90" in BACKENDS else [])
 
 
-def backward_form(backend: str, monkeypatch) -> str:
+def backward_form(backend: str, monkeypatch, sm90_config) -> str:
     """The backend name to call: 'tilelang_sm90+fused' is tilelang_sm90 with its fused backward switched on for
     this test only."""
     if backend.endswith("+fused"):
-        from gdnkit.backends.tilelang_sm90 import backward as bwd
-        monkeypatch.setattr(bwd, "FUSED", True)
+        sm90_config(fused_backward=True)
         return backend.removesuffix("+fused")
     return backend
 
@@ -117,8 +116,8 @@ def test_chunk_forward_varlen_with_states(backend, H, HV, dtype):
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
 @pytest.mark.parametrize("H,HV", HEADS)
-def test_chunk_gradients_varlen(backend, H, HV, monkeypatch):
-    backend = backward_form(backend, monkeypatch)
+def test_chunk_gradients_varlen(backend, H, HV, monkeypatch, sm90_config):
+    backend = backward_form(backend, monkeypatch, sm90_config)
     cu = torch.tensor(CU_SEQLENS, device="cuda", dtype=torch.long)
     x = make(H, HV, CU_SEQLENS[-1], N=len(CU_SEQLENS) - 1, seed=7 + H * 100 + HV)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -175,12 +174,12 @@ def test_final_state_carries_into_the_next_call(backend):
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
 @pytest.mark.parametrize("H,HV,T", [(4, 8, 4160), (16, 32, 333)])
-def test_chunk_gradients_repeat_bitwise(backend, H, HV, T, monkeypatch):
+def test_chunk_gradients_repeat_bitwise(backend, H, HV, T, monkeypatch, sm90_config):
     """The same backward twice gives bitwise-identical gradients: no float atomics, no races. 4/8 at 4160
     tokens takes the context-parallel path of the fast backends (few heads, a long sequence, a chunk tail),
     16/32 the plain one. A build that races (a miscompiled software pipeline) fails here even where its
     errors happen to stay under the accuracy bars."""
-    backend = backward_form(backend, monkeypatch)
+    backend = backward_form(backend, monkeypatch, sm90_config)
     x = make(H, HV, T, seed=11)
     gen = torch.Generator(device="cuda").manual_seed(2)
     do = torch.randn(x["v"].shape, generator=gen, device="cuda").to(torch.bfloat16)

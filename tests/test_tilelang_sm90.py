@@ -7,12 +7,14 @@ choice, a float64 check of the solve's algebra, and a float64 model of both kern
 
 GPU (`-m gpu`, an sm90 device): forward() against the reference backend's chunked form in float64.
 """
+import dataclasses
 import functools
 import inspect
 import re
 import shutil
 import subprocess
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -376,70 +378,53 @@ def test_backward_fused_compiles_to_wgmma_and_tma(H, HV, dtype, dinit):
     assert _dynamic_shared_bytes(kernel) + STATIC_SHARED <= SM90_BLOCK_SHARED
 
 
-@pytest.mark.slow  # four Python processes importing torch
-def test_fused_backward_rule_and_its_switch(monkeypatch):
+def test_fused_backward_rule_and_its_switch():
     """Which backward a training call runs on an H200 (132 SMs): the fused kernel where the work reaches
-    FUSED_MIN_WORK chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
+    fused_min_work chunks x value heads and no program (sequence, or segment of the wide route's cut) is much
     longer than the SMs' even share; the staged one elsewhere (points of benchmarks/results/h200/backward-paths.md,
     each on the side that measured faster), and the staged one where the forward kept S0.
     GDNKIT_SM90_FUSED_BACKWARD=1 / 0
-    forces one; any other value fails at import with the variable named."""
+    forces one (config.Config.fused_backward); any other value is refused with the variable named."""
     import itertools
-    import os
-    import subprocess
-    import sys
-    import types
-    _tilelang()
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90 import backward as bwd
-    from gdnkit.backends.tilelang_sm90 import forward
-    monkeypatch.setattr(bwd, "FUSED", None)
-    monkeypatch.setattr(bwd, "_sm_count_of", lambda dev: 132)
-    monkeypatch.setattr(forward, "_sm_count_of", lambda dev: 132)
-    monkeypatch.setattr(forward, "_wide_route_available", lambda: True)
+    from gdnkit.backends.tilelang_sm90 import plan
+    from gdnkit.backends.tilelang_sm90.config import Config
 
-    def saved(*lengths, kept=None):
-        cu = torch.tensor([0, *itertools.accumulate(lengths)])
-        return types.SimpleNamespace(layout=seqlayout.sequence_layout(cu), hs=kept)
-    cpu = torch.device("cpu")
-    assert bwd.fused_pays(saved(8192), 32, cpu)                              # 16/32: 1.18x the staged path
-    # S0 kept by the forward (KEEP_STATES): the staged path reads it; the fused one would recompute it for X
-    assert not bwd.fused_pays(saved(8192, kept=torch.empty(0)), 32, cpu)
-    assert bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 8, cpu)  # 4/8: 1.02x
-    assert bwd.fused_pays(saved(8192), 8, cpu)                               # 4/8: 1.09x
-    assert bwd.fused_pays(saved(32768), 4, cpu)                              # 2/4: 1.18x
-    assert not bwd.fused_pays(saved(5239, 2953), 4, cpu)                     # 2/4: too little work (0.94x)
-    assert not bwd.fused_pays(saved(205, 708, 916, 178, 247, 2985, 836, 2117), 8, cpu)  # 4/8: one long (0.62x)
-    assert not bwd.fused_pays(saved(205, 708, 4326, 2953), 32, cpu)          # 16/32: one long program (0.91x)
-    assert not bwd.fused_pays(saved(820, 2829, 3666, 710, 988, 11940, 3347, 8468), 16, cpu)   # 8/16: 0.81x
+    def pays(HV, *lengths, kept=False, cfg=Config()):
+        layout = seqlayout.sequence_layout(torch.tensor([0, *itertools.accumulate(lengths)]))
+        return plan.fused_pays(layout, HV, 132, cfg, stores_states=kept)
+    assert pays(32, 8192)                                                   # 16/32: 1.18x the staged path
+    # S0 kept by the forward (keep_states): the staged path reads it; the fused one would recompute it for X
+    assert not pays(32, 8192, kept=True)
+    assert pays(8, 820, 2829, 3666, 710, 988, 11940, 3347, 8468)            # 4/8: 1.02x
+    assert pays(8, 8192)                                                    # 4/8: 1.09x
+    assert pays(4, 32768)                                                   # 2/4: 1.18x
+    assert not pays(4, 5239, 2953)                                          # 2/4: too little work (0.94x)
+    assert not pays(8, 205, 708, 916, 178, 247, 2985, 836, 2117)            # 4/8: one long (0.62x)
+    assert not pays(32, 205, 708, 4326, 2953)                               # 16/32: one long program (0.91x)
+    assert not pays(16, 820, 2829, 3666, 710, 988, 11940, 3347, 8468)       # 8/16: 0.81x
     for forced in (True, False):
-        monkeypatch.setattr(bwd, "FUSED", forced)
-        assert bwd.fused_pays(saved(8192), 32, cpu) == forced and bwd.fused_pays(saved(64), 1, cpu) == forced
-    for value, want in (("1", "True"), ("0", "False"), ("auto", "None"), ("yes", "ValueError")):
-        run = subprocess.run([sys.executable, "-c", "from gdnkit.backends.tilelang_sm90 import backward as b; "
-                              "print(b.FUSED)"], capture_output=True, text=True,
-                             env={**os.environ, "GDNKIT_SM90_FUSED_BACKWARD": value})
-        assert want in run.stdout + run.stderr, (value, run.stdout, run.stderr[-500:])
-    assert "GDNKIT_SM90_FUSED_BACKWARD" in run.stderr
+        cfg = Config(fused_backward=forced)
+        assert pays(32, 8192, cfg=cfg) == forced and pays(1, 64, cfg=cfg) == forced
+    for value, want in (("1", True), ("0", False), ("auto", None), ("", None)):
+        assert Config.from_environment({"GDNKIT_SM90_FUSED_BACKWARD": value}).fused_backward is want
+    with pytest.raises(ValueError, match="GDNKIT_SM90_FUSED_BACKWARD"):
+        Config.from_environment({"GDNKIT_SM90_FUSED_BACKWARD": "yes"})
 
 
-@pytest.mark.slow  # three Python processes importing torch
-def test_recompute_programs_an_sm_and_their_switch(monkeypatch):
+def test_recompute_programs_an_sm_and_their_switch():
     """Two programs an SM only for the fused path's recompute at 64 columns (the build that stores X and fits
-    twice), GDNKIT_SM90_RECOMPUTE_PER_SM=1 for one, anything else refused by name at import."""
-    import os
-    import subprocess
-    import sys
-    from gdnkit.backends.tilelang_sm90 import forward as fwd
-    monkeypatch.setattr(fwd, "RECOMPUTE_PER_SM", 2)
-    assert fwd.recompute_per_sm(64, True) == 2
-    assert fwd.recompute_per_sm(32, True) == fwd.recompute_per_sm(64, False) == fwd.recompute_per_sm(128, False) == 1
-    for value, want in (("1", "1"), ("2", "2"), ("3", "ValueError")):
-        run = subprocess.run([sys.executable, "-c", "from gdnkit.backends.tilelang_sm90 import forward as f; "
-                              "print(f.RECOMPUTE_PER_SM)"], capture_output=True, text=True,
-                             env={**os.environ, "GDNKIT_SM90_RECOMPUTE_PER_SM": value})
-        assert want in run.stdout + run.stderr, (value, run.stdout, run.stderr[-500:])
-    assert "GDNKIT_SM90_RECOMPUTE_PER_SM" in run.stderr
+    twice), GDNKIT_SM90_RECOMPUTE_PER_SM=1 for one, anything else refused by name."""
+    from gdnkit.backends.tilelang_sm90.config import Config
+    from gdnkit.backends.tilelang_sm90.plan import recompute_per_sm
+    cfg = Config(recompute_per_sm=2)
+    assert recompute_per_sm(64, True, cfg) == 2
+    assert recompute_per_sm(32, True, cfg) == recompute_per_sm(64, False, cfg) == recompute_per_sm(128, False, cfg) == 1
+    assert recompute_per_sm(64, True, Config(recompute_per_sm=1)) == 1
+    for value in ("1", "2"):
+        assert Config.from_environment({"GDNKIT_SM90_RECOMPUTE_PER_SM": value}).recompute_per_sm == int(value)
+    with pytest.raises(ValueError, match="GDNKIT_SM90_RECOMPUTE_PER_SM"):
+        Config.from_environment({"GDNKIT_SM90_RECOMPUTE_PER_SM": "3"})
 
 
 @pytest.mark.parametrize("lengths,H,HV,dtype", [((77, 0, 130), 2, 8, torch.bfloat16), ((40,), 4, 4, torch.float16),
@@ -739,7 +724,7 @@ def _rel(x, ref) -> float:
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_v", [None, 32, 64, 128], ids=["auto", "bv32", "bv64", "bv128"])
 @pytest.mark.parametrize("H,HV", [(2, 8), (16, 64)])
-def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
+def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch, sm90_config):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -747,7 +732,7 @@ def test_forward_matches_float64_reference(H, HV, block_v, monkeypatch):
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    monkeypatch.setattr(fwd, "BLOCK_V", block_v)
+    sm90_config(block_v=block_v)
     forward = fwd.forward
 
     dev = "cuda"
@@ -806,7 +791,9 @@ def test_forward_wide_route_in_waves_matches_float64_reference():
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     H, HV, lengths, dev = 4, 48, (16384, 1000), "cuda"
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
-    seg, waves = fwd._segments(fwd.seqlayout.sequence_layout(cu), HV, torch.device(dev), train=False)
+    p = fwd.plan_of(types.SimpleNamespace(HV=HV, needs_grad=False), fwd.seqlayout.sequence_layout(cu),
+                    torch.device(dev))
+    seg, waves = p.segment_chunks, p.waves
     if waves < 2:
         pytest.skip(f"this GPU's SM count gives {waves} wave(s) here (the H200's 132 give 2)")
     T, N = int(cu[-1]), len(lengths)
@@ -835,7 +822,7 @@ def test_forward_wide_route_in_waves_matches_float64_reference():
 
 
 @pytest.mark.gpu
-def test_intra_chunk_stage_matches_reference_trace(monkeypatch):
+def test_intra_chunk_stage_matches_reference_trace(monkeypatch, sm90_config):
     """The intra-chunk kernel alone (gamma, Tb = T diag(beta)) against the reference's ChunkTrace, one dense
     sequence of 135 tokens (a chunk tail of 7): tells an intra-chunk bug from a state-pass bug. The
     context-parallel path runs the same kernel."""
@@ -860,7 +847,7 @@ def test_intra_chunk_stage_matches_reference_trace(monkeypatch):
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta)
         got, got_cp = {}, {}
         forward(problem, inputs, intermediates=got)
-        monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 1)
+        sm90_config(segment_chunks=1)
         forward(problem, inputs, intermediates=got_cp)
         torch.cuda.synchronize()
         rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
@@ -1015,26 +1002,27 @@ def test_wide_route_in_waves_picked_by_the_longest_walk():
 @pytest.mark.parametrize("waves", [1, 3])
 @pytest.mark.parametrize("picked", ["wide", "plain"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
-def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch):
+def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch, sm90_config):
     """With the wide route the forward launches both its pass over segments and the pass without segments (at 64
     columns beside one wave of segments, at 128 beside several), and the device picks one (context_parallel.pick):
     the other runs over empty sequences. Either pick gives the plain path's output and final states (float64
     stand-ins of the kernels)."""
+    from gdnkit.backends.tilelang_sm90 import plan as planner
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import context_parallel
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    monkeypatch.setattr(fwd, "BLOCK_V", None)
+    sm90_config(block_v=None)
     calls = []
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    sm90_config(segment_chunks=None)
     # the wide route, on a CPU: 2-chunk segments in one wave or in several
-    monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2 if waves == 1 else None)
-    monkeypatch.setattr(context_parallel, "wide_waves_segment_chunks", lambda *_: (2, waves))
-    ratio = "WIDE_STEP_RATIO" if waves == 1 else "WAVES_STEP_RATIO"
-    monkeypatch.setattr(context_parallel, ratio, 0.0 if picked == "wide" else 1e9)
+    monkeypatch.setattr(planner, "wide_segment_chunks", lambda *_: 2 if waves == 1 else None)
+    monkeypatch.setattr(planner, "wide_waves_segment_chunks", lambda *_: (2, waves))
+    ratio = "wide_step_ratio" if waves == 1 else "waves_step_ratio"
+    sm90_config(**{ratio: 0.0 if picked == "wide" else 1e9})
     launched = []   # per state-pass launch: (chained, whether any of its sequences has a token)
     block_vs = []   # the unchained (plain) pass's V tile
     factory = fwd.state_output_kernel
@@ -1291,9 +1279,9 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
                                   "fused-segments-weak-gates", "fused-segments-mixed-gates",
                                   "segments-wide-mixed-gates", "fused-segments-wide-mixed-gates",
                                   "fused-segments-wide-plain-mixed-gates"])
-def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
+def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config, poisoned_empty):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
-    with KEEP_STATES; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
+    with keep_states; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
     reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
     With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
     the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle,
@@ -1304,41 +1292,40 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     the wide route too (its pass over segments picked, or with -plain- the pass over sequences), and the recompute
     replays both launches at 64 columns, the wide one walking as the forward did. The kernels are float64
     stand-ins of their contracts; every gradient is checked against autograd through the float64 reference."""
+    from gdnkit.backends.tilelang_sm90 import config
+    from gdnkit.backends.tilelang_sm90 import plan as planner
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     fused = case.startswith("fused-")
-    monkeypatch.setattr(bwd, "FUSED", fused)
+    sm90_config(fused_backward=fused)
     case = case.removeprefix("fused-")
     wide = "-wide-" in case
     picked = "plain" if "-plain-" in case else "wide"
     case = case.replace("-wide", "").replace("-plain", "")
     segments = case.startswith("segments")
-    monkeypatch.setattr(fwd, "BLOCK_V", None if wide else 64)
+    sm90_config(block_v=None if wide else 64)
     if wide:   # the wide route in the forward and the backward (2-chunk segments), the device's pick forced
-        monkeypatch.setattr(context_parallel, "wide_segment_chunks", lambda *_: 2)
-        monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0 if picked == "wide" else 1e9)
-    elif fused and segments:   # the wide route's segments (2 chunks) where a CPU has no SMs to fill
-        monkeypatch.setattr(fwd, "wide_segment_chunks", lambda *_: 2)
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 2 if segments else 0)
-    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", case != "segments-exact")
+        monkeypatch.setattr(planner, "wide_segment_chunks", lambda *_: 2)
+        sm90_config(wide_step_ratio=0.0 if picked == "wide" else 1e9)
+    sm90_config(segment_chunks=2 if segments else 0)
+    sm90_config(warmup_route=case != "segments-exact")
     chained = case.startswith("segments-chained")
     if chained:
-        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
     flags = []   # the gated routes' device flags: (reverse, transitions needed per segment and head)
     real_needed = bwd.warmup.transitions_needed
-    monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False: flags.append(
-        (reverse, real_needed(*a, reverse=reverse).tolist())) or real_needed(*a, reverse=reverse))
+    monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False, **kw: flags.append(
+        (reverse, real_needed(*a, reverse=reverse, **kw).tolist())) or real_needed(*a, reverse=reverse, **kw))
     real_reverse = bwd.warmup.reverse_warmup   # the backward's: its walks and the same flags
-    monkeypatch.setattr(bwd.warmup, "reverse_warmup", lambda *a: (
-        lambda walk_need: flags.append((True, walk_need[1].tolist())) or walk_need)(real_reverse(*a)))
+    monkeypatch.setattr(bwd.warmup, "reverse_warmup", lambda *a, **kw: (
+        lambda walk_need: flags.append((True, walk_need[1].tolist())) or walk_need)(real_reverse(*a, **kw)))
     walks = []   # the chained routes' walks: (chunks per segment and head, reverse)
     real_walks = bwd.warmup.walk_lengths
-    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, row_sums=None: walks.append(
-        (real_walks(*a, reverse=reverse, row_sums=row_sums).tolist(), reverse))
-        or real_walks(*a, reverse=reverse, row_sums=row_sums))
+    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, **kw: walks.append(
+        (real_walks(*a, reverse=reverse, **kw).tolist(), reverse)) or real_walks(*a, reverse=reverse, **kw))
     calls = []
     for module in (fwd, bwd):
         monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
@@ -1392,14 +1379,17 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
     o, ht, saved = BACKEND.chunk_forward(problem, inputs)
     # S0 per chunk: by default the backward runs the forward's state pass again; the same bits as keeping them
     assert saved.hs is None
-    with monkeypatch.context() as mp:
-        mp.setattr(fwd, "KEEP_STATES", True)
+    with config.configured(keep_states=True):
         kept = BACKEND.chunk_forward(problem, inputs)[2].hs
     assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
     from gdnkit.backends.tilelang_sm90 import warmup_bound
     token_sums, real_token_sums = [], warmup_bound._chunk_sums   # the flags' window sums over tokens
     monkeypatch.setattr(warmup_bound, "_chunk_sums", lambda *a: token_sums.append(1) or real_token_sums(*a))
+    if fused and segments and not wide:
+        # the fused path in the wide route's segments (2 chunks) behind a forward without them, which the rules give
+        # nowhere (a forward that leaves them to its backward takes them itself): the backward follows its plan
+        saved.plan = dataclasses.replace(saved.plan, fused_segment_chunks=2)
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
     assert sums_in_s0 == ([True] if fused else []), sums_in_s0
     # the fused path's gated route reads its flags' sums from the training forward's per-row bounds where its
@@ -1465,7 +1455,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_em
 
 
 @pytest.mark.parametrize("case", ["dense", "varlen-trailing-state-v-first", "no-tokens"])
-def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_empty):
+def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config, poisoned_empty):
     """Everything forward() does around its two launches, checked on a CPU: the packed view of dense and
     varlen batches, the cached layout's tables, outputs allocated empty (poisoned here) with only the
     tokens past cu_seqlens[-1] zeroed, initial/final states in both layouts, no-token batches. The
@@ -1474,7 +1464,7 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    sm90_config(block_v=64)
     calls = []
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
 
@@ -1515,7 +1505,8 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, poisoned_emp
                          ids=["exact", "gated-settled", "gated-unsettled", "gated-mixed", "chained-settled",
                               "chained-unsettled", "chained-mixed"])
 @pytest.mark.parametrize("lengths,state", [([700], False), ([130, 0, 451, 3], True)], ids=["one-long", "varlen-state"])
-def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, gate_scale, settled, monkeypatch):
+def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, gate_scale, settled, monkeypatch,
+                                                           sm90_config):
     """The context-parallel forward's glue: segment plan, the segments' initial states (exact: the
     propagator's [E | P] handed to triton_generic's segment scan, interpreted here; gated: a fixed warm-up and
     the exact route behind it, run or skipped per (segment, head) by the device's flags; chained: the same
@@ -1523,13 +1514,14 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     gates that settle in a chunk, gates that barely decay, and one head of each), then the state pass over
     segments from those states, which also gives the final states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
     everything around them against the plain path and float64."""
+    from gdnkit.backends.tilelang_sm90 import plan as planner
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import context_parallel
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    monkeypatch.setattr(fwd, "BLOCK_V", 64)
+    sm90_config(block_v=64)
     calls = []
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
     monkeypatch.setattr(fwd, "propagator_kernel", _recorded(calls, "propagator_kernel",
@@ -1546,15 +1538,15 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=True)
-    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", route != "exact")
+    sm90_config(warmup_route=route != "exact")
     if route == "chained":   # the route where the exact one does not pay
-        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
     results = {}
     for segs in (0, 2):
-        monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segs)
+        sm90_config(segment_chunks=segs)
         if segs:
             layout = fwd.seqlayout.sequence_layout(cu)
-            assert fwd._segment_chunks(layout, HV, torch.device("cpu")) == 2
+            assert fwd.plan_of(problem, layout, torch.device("cpu")).segment_chunks == 2
         got = {}
         results[segs] = fwd.forward(problem, inputs, intermediates=got)[:2]
         assert got["context_parallel"] == (route if segs else None)
@@ -1608,11 +1600,13 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
         "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short", "wide-short-mixed-gates",
         "wide-16-64-picked", "wide-16-64-plain"])
-def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch):
+def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch,
+                                 sm90_config):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
     (gated and chained: whether the fixed warm-up settled every segment, as the device flagged; wide: the chained
     route in the 128-column state pass); a second call gives the same bits."""
+    from gdnkit.backends.tilelang_sm90 import plan as planner
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -1622,13 +1616,13 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     from gdnkit.backends.tilelang_sm90 import context_parallel
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", segment_chunks)
-    monkeypatch.setattr(context_parallel, "WARMUP_ROUTE", warmup_on)
-    monkeypatch.setattr(context_parallel, "WIDE_ROUTE", route == "wide")
+    sm90_config(segment_chunks=segment_chunks)
+    sm90_config(warmup_route=warmup_on)
+    sm90_config(wide_route=route == "wide")
     if route == "wide" and settled is False:   # the wide pass's long walks: made to be picked over the plain pass
-        monkeypatch.setattr(context_parallel, "WIDE_STEP_RATIO", 0.0)
+        sm90_config(wide_step_ratio=0.0)
     if route == "chained" and segment_chunks:
-        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(5)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
@@ -1644,8 +1638,8 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
         problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           cu_seqlens=cu)
         layout = fwd.seqlayout.sequence_layout(cu)
-        seg, waves = fwd._segments(layout, HV, q.device, train=False)
-        wide = waves > 0
+        p = fwd.plan_of(problem, layout, q.device)
+        seg, wide = p.segment_chunks, p.wide
         assert seg and wide == (route == "wide")  # segments are cut
         got = {}
         o, ht, _ = fwd.forward(problem, inputs, intermediates=got)
@@ -1686,16 +1680,44 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     (16, 64, [32768], None),    # 4 V tiles x 64 heads > 132: enough programs already
     (2, 8, [4096] * 8, None),
 ])
-def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
+def test_context_parallel_segment_rule(H, HV, lengths, expected):
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90 import context_parallel
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    from gdnkit.backends.tilelang_sm90 import plan
+    from gdnkit.backends.tilelang_sm90.config import Config
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     layout = seqlayout.sequence_layout(cu)
-    assert context_parallel.segment_chunks(layout, HV, sms=132) == expected
+    assert plan.segment_chunks(layout, HV, 132, Config()) == expected
     # the exact route (propagator + scan) pays only from 2 SMs per narrowest program (8/32: 1.51 vs 1.03 ms)
-    assert context_parallel.exact_route_pays(layout, HV, sms=132) == (4 * len(lengths) * HV * 2 <= 132)
+    assert plan.exact_route_pays(layout, HV, 132, Config()) == (4 * len(lengths) * HV * 2 <= 132)
 
+
+
+def test_plan_in_explain():
+    """The backend's plan as explain() shows it, from the layout, the heads and the SM count alone (a machine
+    given as data; no GPU, no kernel): 2/8 with one sequence of 32768 tokens on 132 SMs takes the wide route in
+    16 segments of 32 chunks, its backward the fused kernel in those segments (4096 chunks x heads, each program
+    32 chunks, within 1.6x the SMs' even share of 31), the staged path where the Config says so."""
+    from gdnkit.backends.tilelang_sm90 import BACKEND, config
+    from gdnkit.dispatch import Decision
+    from gdnkit.dispatch.machine import GPU, Machine
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    machine = Machine(gpus=(GPU(0, "H200", (9, 0), 132, 0),), packages={"triton": "3", "tilelang": "0"})
+    T, H, HV = 32768, 2, 8
+    q, k = torch.randn(1, T, H, K, dtype=torch.bfloat16), torch.randn(1, T, H, K, dtype=torch.bfloat16)
+    v = torch.randn(1, T, HV, V, dtype=torch.bfloat16)
+    g, beta = F.logsigmoid(torch.randn(1, T, HV)), torch.rand(1, T, HV)
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta)
+    text = BACKEND.plan(problem, inputs, machine)
+    assert text.splitlines()[0] == "route: wide, 16 segments of 32 chunks (132 SMs)", text
+    assert "backward" not in text   # inference
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v.requires_grad_(), g, beta)
+    assert "backward: fused (backward_fused.py), in the wide route's 16 segments" in BACKEND.plan(problem, inputs,
+                                                                                                 machine)
+    with config.configured(fused_backward=False):
+        text = BACKEND.plan(problem, inputs, machine)
+    assert "backward: staged, reverse pass chained" in text, text
+    shown = str(Decision(problem, "tilelang_sm90", "auto", {}, plan=text))
+    assert shown.endswith("plan:\n" + "\n".join("  " + line for line in text.splitlines())), shown
 
 
 @pytest.mark.parametrize("H,HV,lengths,expected", [
@@ -1705,7 +1727,7 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (16, 64, [32768], 256),     # 2 segments
     (2, 8, [4096] * 8, 32),     # 64 sequence-head pairs: each sequence in 2
     (2, 8, [8192], 8),          # 16 segments of 8 chunks
-    (2, 8, [2048], 2),          # short sequences too, down to 2-chunk segments (WIDE_MIN_SEGMENT_CHUNKS)
+    (2, 8, [2048], 2),          # short sequences too, down to 2-chunk segments (wide_min_segment_chunks)
     (4, 16, [2048], 4),
     (8, 32, [2048], 8),
     (16, 64, [2048], None),     # 128 programs of the 64-column pass fill the SMs already: long segments only
@@ -1720,17 +1742,17 @@ def test_context_parallel_segment_rule(H, HV, lengths, expected, monkeypatch):
     (2, 8, [1024, 7168], 8),    # 2 + 14 segments
     (4, 16, [12288, 4096], 32),
 ])
-def test_wide_segment_rule(H, HV, lengths, expected, monkeypatch):
+def test_wide_segment_rule(H, HV, lengths, expected):
     """Inference's wide route cuts segments so one 128-column program per (segment, head) fills the SMs."""
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90 import context_parallel
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    from gdnkit.backends.tilelang_sm90 import plan
+    from gdnkit.backends.tilelang_sm90.config import Config
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     layout = seqlayout.sequence_layout(cu)
-    assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) == expected
-    assert context_parallel.wide_segment_chunks(layout, HV, sms=0, fill=0.7) is None   # off CUDA
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)   # forced segments keep the other routes
-    assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) is None
+    assert plan.wide_segment_chunks(layout, HV, 132, Config()) == expected
+    assert plan.wide_segment_chunks(layout, HV, 0, Config()) is None   # off CUDA
+    # forced segments keep the other routes
+    assert plan.wide_segment_chunks(layout, HV, 132, Config(segment_chunks=16)) is None
 
 
 @pytest.mark.parametrize("H,HV,lengths,expected", [
@@ -1744,20 +1766,20 @@ def test_wide_segment_rule(H, HV, lengths, expected, monkeypatch):
     (2, 8, [32768], None),              # 8 pairs: the one-wave rule's (wide_segment_chunks)
     (16, 64, [2048, 128], None),        # no cut of at least 32 chunks pays
 ])
-def test_wide_waves_segment_rule(H, HV, lengths, expected, monkeypatch):
+def test_wide_waves_segment_rule(H, HV, lengths, expected):
     """Where one program per (sequence, head) fills the SMs already, the wide route still cuts segments, in
-    several waves, when the longest sequence bounds the plain pass and the waves cost at most WAVES_MARGIN of
+    several waves, when the longest sequence bounds the plain pass and the waves cost at most waves_margin of
     it; the forward takes it only where the one-wave rule declines."""
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90 import context_parallel
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", None)
+    from gdnkit.backends.tilelang_sm90 import plan
+    from gdnkit.backends.tilelang_sm90.config import Config
     layout = seqlayout.sequence_layout(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]))
-    assert context_parallel.wide_waves_segment_chunks(layout, HV, sms=132, fill=0.7) == expected
+    assert plan.wide_waves_segment_chunks(layout, HV, 132, Config()) == expected
     if expected:
-        assert context_parallel.wide_segment_chunks(layout, HV, sms=132, fill=0.7) is None
-    assert context_parallel.wide_waves_segment_chunks(layout, HV, sms=0, fill=0.7) is None   # off CUDA
-    monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)   # forced segments keep the other routes
-    assert context_parallel.wide_waves_segment_chunks(layout, HV, sms=132, fill=0.7) is None
+        assert plan.wide_segment_chunks(layout, HV, 132, Config()) is None
+    assert plan.wide_waves_segment_chunks(layout, HV, 0, Config()) is None   # off CUDA
+    # forced segments keep the other routes
+    assert plan.wide_waves_segment_chunks(layout, HV, 132, Config(segment_chunks=16)) is None
 
 
 @pytest.mark.gpu
@@ -1863,14 +1885,14 @@ def test_chunk_grads_matches_reference_chunked_backward():
         assert _rel(out, want) <= 1e-2, f"{name}: {_rel(out, want):.2e}"
 
 
-def _fused_backward_forced(monkeypatch) -> list:
+def _fused_backward_forced(monkeypatch, sm90_config) -> list:
     """On an sm90 GPU (else the test skips): tilelang_sm90's fused backward switched on for this test; returns the
     list its kernel factory's calls are recorded in (a test asserts the kernel ran)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
     from gdnkit.backends.tilelang_sm90 import backward as bwd
-    monkeypatch.setattr(bwd, "FUSED", True)
+    sm90_config(fused_backward=True)
     launched = []
     real = bwd.backward_fused_kernel
     monkeypatch.setattr(bwd, "backward_fused_kernel", lambda *a: launched.append(a) or real(*a))
@@ -1884,7 +1906,7 @@ def _fused_backward_forced(monkeypatch) -> list:
                                                       (4, 8, (1000, 333), False, False),
                                                       (4, 4, (1000, 0, 333), True, True)],
                          ids=["one", "varlen", "segments", "16x32", "no-states", "one-per-key-head"])
-def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatch):
+def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatch, sm90_config):
     """The fused backward (backward_fused.py, one launch after the S0 recompute) through the public API: every
     gradient against the float64 chunked backward, with GVA; a chunk tail of 8 (one), sequences of odd and zero
     length with initial states (varlen), one long sequence in the wide route's segments, each from its dS_end by
@@ -1894,7 +1916,7 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     same call six times, bitwise: dg's chunk-end term (the owner's and g's warpgroup reductions) is where forms that
     moved the roles' timing went wrong from call to call, in a segment's first chunk (K and Q in alternating
     slots; ordered pairs of value heads; docs/performance.md)."""
-    launched = _fused_backward_forced(monkeypatch)
+    launched = _fused_backward_forced(monkeypatch, sm90_config)
     from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit import seqlayout
@@ -1921,7 +1943,8 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     assert launched, "the fused kernel did not run"
     # where the training forward took the wide route (one program per segment and head at 128 columns), the
     # recompute of S0 and X replays its segments' walks at 32 / 64 columns, as it replays every other pass
-    wide = fwd.wide_segment_chunks(seqlayout.sequence_layout(cu.to(torch.int32)), HV, torch.device(dev)) is not None
+    wide = fwd.plan_of(types.SimpleNamespace(HV=HV, needs_grad=True), seqlayout.sequence_layout(cu.to(torch.int32)),
+                       torch.device(dev)).route == "wide"
     recomputes = {(bv, chained) for bv, keep, emit, chained, store_x in states if keep and not emit and store_x}
     assert recomputes and all(bv in fwd.WS_BLOCK_V for bv, _ in recomputes), states
     assert any(chained for _, chained in recomputes) == wide, (wide, states)
@@ -1947,12 +1970,12 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
 
 
 @pytest.mark.gpu
-def test_backward_fused_with_options(monkeypatch):
+def test_backward_fused_with_options(monkeypatch, sm90_config):
     """The fused backward under the options' prologue (qk l2norm, whose backward runs inside the group sums;
     the gate from A_log / dt_bias; beta's sigmoid), varlen with a chunk tail and an empty sequence,
     both states: every gradient, dA_log and ddt_bias included, against autograd through the float64 reference, and
     the call twice bitwise."""
-    launched = _fused_backward_forced(monkeypatch)
+    launched = _fused_backward_forced(monkeypatch, sm90_config)
     H, HV, dev = 4, 16, "cuda"
     cu = torch.tensor([0, 77, 77, 1000, 1333], device=dev)
     T, N = int(cu[-1]), cu.numel() - 1
@@ -1986,14 +2009,14 @@ def _fold_group(t, H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
-def test_training_gradients_repeat_bitwise(fused, monkeypatch):
+def test_training_gradients_repeat_bitwise(fused, monkeypatch, sm90_config):
     """Two backward passes of the same training call give bitwise-identical gradients (no float atomics),
     through the public API with GVA, varlen and an initial state; the default backward and the fused one."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
     from gdnkit.backends.tilelang_sm90 import backward as bwd
-    monkeypatch.setattr(bwd, "FUSED", fused)
+    sm90_config(fused_backward=fused)
     H, HV, dev = 4, 16, "cuda"
     cu = torch.tensor([0, 77, 1000, 1333], device=dev)
     T = int(cu[-1])
@@ -2015,7 +2038,7 @@ def test_training_gradients_repeat_bitwise(fused, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HV,T", [(2, 8, 1000), (4, 16, 4160)], ids=["side-stream", "segments"])
 @pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
-def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatch):
+def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatch, sm90_config):
     """A training call (forward and backward) captured in a CUDA graph and replayed gives the eager call's
     gradients, its outputs poisoned before the replay. side-stream: no segments, so the backward's S0 recompute
     runs on a side stream beside the reverse pass (backward._recompute_beside), forked and joined inside the
@@ -2028,7 +2051,7 @@ def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatc
         pytest.skip("needs an sm90 GPU")
     _tilelang()
     from gdnkit.backends.tilelang_sm90 import backward as bwd
-    monkeypatch.setattr(bwd, "FUSED", fused)
+    sm90_config(fused_backward=fused)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(12)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
@@ -2063,13 +2086,14 @@ def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatc
 @pytest.mark.parametrize("route,gate_scale", [("gated", 1.0), ("gated", 1e-3), ("chained", (1.0, 1e-3)),
                                               ("wide", (1.0, 1e-3))],
                          ids=["warmup", "weak-gates", "chained-mixed-gates", "wide-mixed-gates"])
-def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
+def test_training_with_context_parallelism(route, gate_scale, monkeypatch, sm90_config):
     """One long sequence at 2/8 (segments on an H200): forward and backward in segments, by warm-ups with
     decaying gates, by the exact routes (propagator and segment scans) with gates that barely decay, by the
     chained routes (16-chunk segments, the exact route made not to pay) with half the heads barely decaying, so
     their programs walk up to 8 segments both ways; by the backward's wide route (at 65573 tokens: 16 segments,
     one 128-column reverse-pass program per segment and head, half the heads walking far); every gradient
     against the float64 chunked backward."""
+    from gdnkit.backends.tilelang_sm90 import plan as planner
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -2081,11 +2105,11 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch):
     H, HV, T, dev = 2, 8, 65536 + 37 if route == "wide" else 8200, "cuda"
     # the staged path's routes (fused_pays would give 2/8 at 65573 tokens to the fused kernel, whose segments
     # test_backward_fused_matches_float64[segments] checks)
-    monkeypatch.setattr(bwd, "FUSED", False)
-    monkeypatch.setattr(context_parallel, "WIDE_ROUTE", route == "wide")
+    sm90_config(fused_backward=False)
+    sm90_config(wide_route=route == "wide")
     if route == "chained":
-        monkeypatch.setattr(context_parallel, "SEGMENT_CHUNKS", 16)
-        monkeypatch.setattr(context_parallel, "exact_route_pays", lambda *_: False)
+        sm90_config(segment_chunks=16)
+        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
     routes = []
     real_segments = bwd._segments
     monkeypatch.setattr(bwd, "_segments", lambda *a: routes.append(real_segments(*a)[1]) or real_segments(*a))

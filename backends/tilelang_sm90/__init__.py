@@ -62,6 +62,20 @@ class TileLangSM90Backend(Backend):
             reasons.append(f"{problem.N} sequences: the state passes take at most {MAX_SEQUENCES} (a CUDA grid axis)")
         return reasons
 
+    def plan(self, problem: Problem, inputs: GDNInputs, machine: Machine) -> str | None:
+        """The call's Plan (plan.py) under the current Config, in a few lines."""
+        from gdnkit import seqlayout
+
+        from . import config, plan
+        cu = inputs.cu_seqlens
+        layout = seqlayout.dense_layout(problem.B, problem.T, cu.device if cu is not None else inputs.q.device) \
+            if cu is None else seqlayout.sequence_layout(cu)
+        if layout.n_chunks == 0:
+            return "no tokens: nothing to launch"
+        gpu = machine.gpu(problem.device_index)
+        resources = plan.Resources(gpu.sm_count if gpu else 0, machine.has_package("triton"))
+        return plan.plan(problem, layout, resources, config.current()).describe()
+
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
         from .forward import forward
         return forward(problem, inputs)

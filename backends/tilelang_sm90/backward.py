@@ -1,7 +1,7 @@
 """The sm90 chunked backward (issue 6, docs/sm90-design.md): three TileLang launches after a training forward.
 
     state_output_ws.py every chunk's entering state S0: the forward's state pass again, built without output
-                       (forward.entering_states; kept from the forward instead with forward.KEEP_STATES)
+                       (forward.entering_states; kept from the forward instead with config.keep_states)
     backward_state.py  per (sequence, value head, V tile), chunks right to left: dS on chip; stores every
                        chunk's dS_end (dh), dU, dX (= dV) and dh0
     chunk_grads.py     per (chunk, key head), in parallel, its value heads in turn: dq, dk (summed over the
@@ -30,7 +30,6 @@ SMs, the S0 recompute runs on a side stream beside the reverse pass.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -39,49 +38,17 @@ from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, warmup
 from .group_sum import chunk_group_sums
-from .forward import (TARGET, TORCH_TO_TL, Saved, _segment_chunks, _sm_count_of, entering_states,
-                      no_walks, open_gate, propagator_kernel)
+from .forward import TARGET, TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
-# The fused backward (backward_fused.py: the reverse pass with the per-chunk gradients, one launch after the S0
-# recompute) or the staged one (backward_state + chunk_grads): GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one, unset
-# (or "auto") fused_pays decides per call. FUSED: True, False, or None for the rule.
-_FUSED_SETTINGS = {"1": True, "0": False, "auto": None, "": None}
-_fused_env = os.environ.get("GDNKIT_SM90_FUSED_BACKWARD", "")
-if _fused_env not in _FUSED_SETTINGS:
-    raise ValueError(f"GDNKIT_SM90_FUSED_BACKWARD must be 1, 0 or auto, got {_fused_env!r}")
-FUSED = _FUSED_SETTINGS[_fused_env]
-# The rule (H200, the full grid's 32 backward points with each path forced,
-# benchmarks/results/h200/backward-paths.md): the
-# fused path where the work is at least FUSED_MIN_WORK chunks x value heads (below, the staged path's fixed costs
-# are lower: its S0 recompute runs beside its reverse pass, the fused kernel waits for all of it) and its longest
-# program (a sequence, or a segment of the wide route's cut) at most FUSED_MAX_IMBALANCE times the SMs' even
-# share of the work (the fused kernel walks each program's chunks in series; the staged path's per-chunk kernel
-# runs every chunk at once, so one long sequence among short ones keeps only the fused kernel waiting). It picked
-# the faster path at 29 of the 32 points, the other three within 2%. With the fused path's segment
-# fix-ups cut from ~0.08 to ~0.03 ms, a second measurement of the 18 points under 4096 and at it: the fused path wins
-# from 1024 (4/8 at 8192 tokens 1.05-1.09x, 8/16 1.22-1.25x, 2/4 at 32768 1.16-1.20x where the imbalance rule
-# lets it; 2/4 at 8192, 512-532, 0.89-0.96x but for one 1.12x): 17 of the 18 picked right.
-FUSED_MIN_WORK = 1024
-FUSED_MAX_IMBALANCE = 1.6
 
 
-def fused_pays(s: Saved, HV: int, dev: torch.device) -> bool:
-    """Whether this call's backward runs the fused kernel: FUSED where set, else the rule above."""
-    if FUSED is not None:
-        return FUSED
-    if s.hs is not None:   # the forward kept S0 (KEEP_STATES): the staged path reads it, the fused one recomputes
-        return False
-    layout, sms = s.layout, _sm_count_of(dev)
-    work = layout.n_chunks * HV
-    if work < FUSED_MIN_WORK or sms == 0:
-        return False
-    longest = max(layout.chunk_counts)
-    seg = forward.wide_segment_chunks(layout, HV, dev)   # the fused path's segments (_fused_kernel_outputs)
-    if seg:
-        longest = min(longest, seg)
-    return longest <= FUSED_MAX_IMBALANCE * work / sms
+def fused_pays(s: Saved) -> bool:
+    """Whether this call's backward runs the fused kernel (backward_fused.py: the reverse pass with the per-chunk
+    gradients, one launch after the S0 recompute) or the staged one (backward_state + chunk_grads): the plan's
+    (plan.fused_pays; config.fused_backward, GDNKIT_SM90_FUSED_BACKWARD=1 / 0, forces one)."""
+    return s.plan.fused_backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,24 +86,15 @@ def backward_fused_kernel(H: int, HV: int, dtype: str, has_dinit: bool, store_dh
     return _jit()[3](H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
 
 
-def _segments(problem: Problem, s: Saved, dev: torch.device):
-    """(segment plan, route) where the reverse pass runs in segments, else None. First the wide route, as the
-    forward's inference takes it (forward.wide_segment_chunks: one 128-column reverse-pass program per
-    (segment, head) filling the SMs, by the chained route); else the forward's segment rule and routes
-    (forward._initial_states): where the exact route pays (context_parallel.exact_route_pays) the gated route,
-    elsewhere the chained one. WARMUP_ROUTE off: the exact route alone, where it pays."""
-    seg = forward.wide_segment_chunks(s.layout, problem.HV, dev)
-    if seg:
-        return context_parallel.plan_segments(s.layout, seg), "chained"
-    seg = _segment_chunks(s.layout, problem.HV, dev)
-    if not seg:
+def _segments(s: Saved):
+    """(segment plan, route) where the reverse pass runs in segments, else None: the forward's segments and route
+    (the plan's backward_route), run right to left. The wide route's segments take the chained route; elsewhere
+    the gated route where the exact route pays, else the chained one; the exact route alone where the warm-up is
+    off (config.warmup_route)."""
+    p = s.plan
+    if p.backward_route in (None, "plain"):
         return None
-    plan = context_parallel.plan_segments(s.layout, seg)
-    if context_parallel.exact_route_pays(s.layout, problem.HV, _sm_count_of(dev)):
-        return plan, "gated" if context_parallel.WARMUP_ROUTE else "exact"
-    if forward.chained_route_available():
-        return plan, "chained"
-    return None
+    return context_parallel.plan_segments(s.layout, p.segment_chunks, p.window), p.backward_route
 
 
 def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=None):
@@ -152,17 +110,11 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=No
     aug = torch.empty(n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
     propagator_kernel(H, HV, dt)(s.k, s.a, s.v, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
     f = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
-    backward_state_kernel(H, HV, dt, False, True, _ds_only_block_v(n_seg, HV, dev), False, True)(
+    backward_state_kernel(H, HV, dt, False, True, s.plan.ds_only_block_v, False, True)(
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, _placeholder(dev, HV, K, V),
         *_untouched(dev, s.v.dtype), f, float(problem.scale), gate, *_no_walks(dev, HV))
     return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
                                            f=f, need=need, warm=warm, in_place=warm is not None)
-
-
-def _ds_only_block_v(n_seg: int, HV: int, dev: torch.device) -> int:
-    """The gated route's passes' V tile: all 128 columns where one program per (segment, head) fills the SMs
-    (forward._plan_state_block_v), so that a fixed warm-up of a few chunks takes one wave."""
-    return forward._plan_state_block_v(n_seg, HV, dev, wide=True)
 
 
 def _placeholder(dev: torch.device, HV: int, K: int, V: int) -> torch.Tensor:
@@ -190,10 +142,11 @@ def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht) -> torch.Tensor:
     same search's flags)."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, n_seg, w = do.device, plan.segments.n_seg, plan.walks
-    walk, need = warmup.reverse_warmup(plan.warmup, s.g, s.k, s.beta, plan.window, s.row_bounds)
+    walk, need = warmup.reverse_warmup(plan.warmup, s.g, s.k, s.beta, plan.window, s.row_bounds,
+                                       log_bound=s.plan.config.log_bound)
     warm = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
     kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], dht is not None, True,
-                                   _ds_only_block_v(n_seg, HV, dev), True, True)
+                                   s.plan.ds_only_block_v, True, True)
     kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets,
            _placeholder(dev, HV, K, V) if dht is None else dht.index_select(0, w.seq_of),
            *_untouched(dev, s.v.dtype), warm, float(problem.scale), open_gate(dev, HV), walk, w.after, w.seq_end)
@@ -213,7 +166,7 @@ def _fork(dev: torch.device) -> torch.cuda.Stream:
     return side
 
 
-def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: int):
+def _recompute_beside(problem: Problem, s: Saved, dev: torch.device):
     """(every chunk's S0, the stream it is being made on) where the recompute runs beside the reverse pass, else
     None. The recompute of S0 (the forward's state pass again, forward.entering_states) does not feed the reverse
     pass, and both are chains of few programs: where both fit the SMs together at 64-wide V tiles (16/32 1x32768
@@ -223,10 +176,9 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device, n_reverse: 
     finds S0 in L2 where it fits (4/8 1x8192: 33 MB; running it first cost ~0.03 ms). hs is allocated on the
     calling stream before the fork and every use after the join is ordered behind the side stream's work, so its
     memory is never handed out while the side stream writes it (also under CUDA graph capture)."""
-    # every launch counts, also the one of a wide-route forward's pair that the device left over empty sequences
-    # (which one it picked is not known here without a read back)
-    if s.hs is not None or dev.type != "cuda" or forward.BLOCK_V is not None or \
-            2 * problem.HV * (sum(launch.n for launch in s.states) + n_reverse) > _sm_count_of(dev):
+    # the plan's recompute_beside counts every launch, also the one of a wide-route forward's pair that the device
+    # left over empty sequences (which one it picked is not known here without a read back)
+    if s.hs is not None or dev.type != "cuda" or not s.plan.recompute_beside:
         return None
     hs = torch.empty(s.layout.n_chunks, problem.HV, problem.K, problem.V, device=dev, dtype=s.k.dtype)
     side = _fork(dev)
@@ -246,7 +198,7 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     if dht is not None:
         dht = dht.float()
         dht = (dht.transpose(-1, -2) if problem.state_v_first else dht).contiguous()
-    fused = fused_pays(s, HV, do.device)
+    fused = fused_pays(s)
     dq, dk, dv, dg, dbeta, dh0 = (_fused_grads if fused else _staged_grads)(problem, s, do, dht)
     dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
@@ -297,10 +249,9 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
     du = seqlayout.packed_output((1, total, HV, V), layout.cu_seqlens, device=dev, dtype=s.v.dtype)
     dv = seqlayout.packed_output((1, total, HV, V), layout.cu_seqlens, device=dev, dtype=s.v.dtype)
     dh = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.v.dtype)
-    plan = _segments(problem, s, dev)
-    n_reverse = N if plan is None else plan[0].segments.n_seg
-    beside = _recompute_beside(problem, s, dev, n_reverse)
-    block_v = 64 if beside else forward._plan_state_block_v(n_reverse, HV, dev, wide=True)
+    plan = _segments(s)
+    beside = _recompute_beside(problem, s, dev)
+    block_v = 64 if beside else s.plan.reverse_block_v
     if plan is None:
         dh0 = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if store_dh0 else None
         kernel = backward_state_kernel(H, HV, dt, dht is not None, store_dh0, block_v)
@@ -317,8 +268,8 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
         walks = None
         if route == "chained":
             w = plan.walks
-            walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True, row_sums=s.row_bounds),
-                     w.after, w.seq_end)
+            walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True, row_sums=s.row_bounds,
+                                         log_bound=s.plan.config.log_bound), w.after, w.seq_end)
             ds_end, dh0 = None if dht is None else dht.index_select(0, w.seq_of), None
         elif route == "gated":
             ds_end, dh0 = _gated_ds_ends(problem, s, plan, do, dht), None
@@ -346,7 +297,7 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
         hs, side = beside
         torch.cuda.current_stream(dev).wait_stream(side)
     else:
-        hs = entering_states(problem, s)  # recomputed here unless the forward kept them (forward.KEEP_STATES)
+        hs = entering_states(problem, s)  # recomputed here unless the forward kept them (config.keep_states)
     chunk_grads_kernel(H, HV, dt, qk_tl)(s.q, s.k, s.v, do, du, dv, s.a, s.tm, s.gamma, s.beta, hs, dh,
                                          layout.cu_seqlens, layout.chunk_indices, dq, dk, dg, dbeta,
                                          float(problem.scale))
@@ -373,7 +324,7 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     """(dqk: dq, dk per chunk and value head; dv, dg, dbeta, dh0 packed; the kernel's runs as
     group_sum.chunk_group_sums takes them) from the fused kernel. Where one program
     per (sequence, head) leaves SMs idle, the sequences run in the wide route's segments
-    (forward.wide_segment_chunks), each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up,
+    (the plan's wide route), each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up,
     exact where it does not settle)."""
     layout = s.layout
     total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
@@ -385,10 +336,10 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     dg = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     dbeta = seqlayout.packed_output((1, total, HV), cu, device=dev, dtype=torch.float32)
     # S0's buffer: S0 from the recompute, then the kernel's dq / dk as it frees each slot. The recompute runs even
-    # where the forward kept S0 (KEEP_STATES), for X, which it leaves in dv's buffer: the kernel reads each chunk's
+    # where the forward kept S0 (keep_states), for X, which it leaves in dv's buffer: the kernel reads each chunk's
     # X before it stores that chunk's dV (backward_fused.py), so X costs no memory of its own
     buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
-    seg = forward.wide_segment_chunks(layout, HV, dev)
+    seg = s.plan.fused_segment_chunks
     placeholder = _placeholder(dev, HV, K, V)
     # in segments, the segments' dS_ends (the gated route: its search, warm-up and exact kernels, ~0.03 ms of mostly
     # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream beside
@@ -402,7 +353,7 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     with torch.cuda.stream(side):   # None: the current stream
         forward.entering_states_and_x(problem, s, buf, dv)
     if seg:
-        plan = context_parallel.plan_segments(layout, seg)
+        plan = context_parallel.plan_segments(layout, seg, s.plan.window)
         dinit = _gated_ds_ends(problem, s, plan, do, dht)
         cu_run, offsets, n_run, longest = plan.segments.cu_seqlens, plan.chunk_offsets, plan.segments.n_seg, seg
     else:

@@ -18,7 +18,7 @@ makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, docs/pe
   Q, K and Tb once per head and keeps two products on the chain (H200, docs/performance.md, state pass ms, wide / BV 64:
   16/64 4096x8 0.723 / 1.045, 8/32 0.365 / 0.524, 4/16 0.185 / 0.264; with 64 programs it loses: 2/8 4096x8
   0.179 / 0.135 at BV 32, 16/64 1x32768 1.393 / 1.035).
-- BV = 128 forced (BLOCK_V) for training: state_output.py, one consumer pair on TileLang's pipeliner.
+- BV = 128 forced (config.block_v) for training: state_output.py, one consumer pair on TileLang's pipeliner.
 Few long sequences also get context parallelism (context_parallel.py): segments whose initial states come
 from a short warm-up through the same state kernel where the gates decay (warmup.py), else from the TileLang
 propagator and a segment scan (the gated route), or from the state pass itself, each program walking back over
@@ -29,44 +29,28 @@ run as a small PyTorch prologue/epilogue (gdnkit/prologue.py, whose backward bac
 """
 import dataclasses
 import functools
-import os
 
 import torch
 
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
-from . import context_parallel, warmup
+from . import config, context_parallel, plan as planner, warmup
+from .plan import WS_BLOCK_V, Plan
 
 CHUNK = 64
 # wgmma and TMA need the arch-specific sm_90a target (plain sm_90 has neither).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-# Launch settings of the state pass, for tuning from benchmarks.
-# V tile per program: None = plan from the SM count (_plan_state_block_v), or force 32 / 64 / 128 (tests).
-BLOCK_V = None
-WS_BLOCK_V = (32, 64)  # V tiles run by the three-warpgroup kernel (state_output_ws.py)
+# Launch settings of the state pass (the planning knobs are config.Config's, the V tiles plan.py's)
 # its TMA ring depth per V tile (H200, docs/performance.md, state kernel ms at 3 / 2 stages): 4/16 1x32768
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
 WS_STAGES = {32: 3, 64: 2}
-# programs an SM of the fused backward's recompute (S0 and X, no output) at 64 columns: 2 (state_output_ws.py's
-# per_sm build, X made in V's stage tile) or 1; GDNKIT_SM90_RECOMPUTE_PER_SM sets it (for A/Bs)
-RECOMPUTE_PER_SM = int(os.environ.get("GDNKIT_SM90_RECOMPUTE_PER_SM", "2"))
-if RECOMPUTE_PER_SM not in (1, 2):
-    raise ValueError(f"GDNKIT_SM90_RECOMPUTE_PER_SM must be 1 or 2, got {RECOMPUTE_PER_SM}")
 # the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
 # (ptxas: 168 registers, no spills at 256 threads)
 PIPELINED_THREADS = 256
 NUM_STAGES = 2    # its TMA pipeline depth
-# the state pass has N * HV * (V / BV) programs, each walking a whole sequence: narrower V tiles buy
-# parallelism when (sequences x heads) leave SMs idle (FlashQLA's rule: aim at ~70% of the SMs)
-TARGET_SM_FRACTION = 0.7
-# Training: the backward needs every chunk's entering state S0. Kept from the forward (KEEP_STATES), it is 512
-# bytes per token and value head in bf16 (16/32 1x32768: 537 MB per layer, alive from a layer's forward to its
-# backward, about what FLA keeps of everything else); by default the backward recomputes it with one more state
-# pass (the forward's launch, built without output: ~0.3-0.6 ms there, H200), as FLA and FlashQLA do.
-KEEP_STATES = os.environ.get("GDNKIT_SM90_KEEP_STATES", "0") == "1"
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,76 +64,35 @@ def _sm_count_of(device: torch.device) -> int:
         if device.type == "cuda" else 0
 
 
-def _segment_chunks(layout, HV: int, device: torch.device) -> int | None:
-    if not context_parallel.available():
-        return None
-    return context_parallel.segment_chunks(layout, HV, _sm_count_of(device))
+def plan_of(problem: Problem, layout, device: torch.device) -> Plan:
+    """The call's Plan (plan.py) under the current Config (config.current())."""
+    resources = planner.Resources(_sm_count_of(device), context_parallel.available())
+    return planner.plan(problem, layout, resources, config.current())
 
 
-def _wide_route_available() -> bool:
-    """Whether the wide route can run: on, not forced off by BLOCK_V, with the chained route (its walks)
-    available."""
-    return context_parallel.WIDE_ROUTE and BLOCK_V is None and context_parallel.available() \
-        and chained_route_available()
-
-
-def wide_segment_chunks(layout, HV: int, device: torch.device) -> int | None:
-    """Chunks per segment of the wide route in one wave (context_parallel.wide_segment_chunks) where it can run.
-    The forward (inference and training) and the backward's reverse pass take it."""
-    if _wide_route_available():
-        return context_parallel.wide_segment_chunks(layout, HV, _sm_count_of(device), TARGET_SM_FRACTION)
-    return None
-
-
-def _segments(layout, HV: int, device: torch.device, train: bool) -> tuple[int | None, int]:
-    """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it): the
-    wide route where it applies, in one wave (wide_segment_chunks), else in several for inference only
-    (context_parallel.wide_waves_segment_chunks: the backward's reverse pass has not been timed that way);
-    everything else _segment_chunks' segments. Training takes the one-wave wide route too (docs/performance.md: its
-    forward is inference's, 15-45% faster than the 64-column pass it ran before at the quick points; the
-    backward's recompute replays the same segments at 32 / 64 columns, entering_states_and_x)."""
-    if _wide_route_available():
-        sms = _sm_count_of(device)
-        seg = context_parallel.wide_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
-        if seg:
-            return seg, 1
-        cut = None if train else context_parallel.wide_waves_segment_chunks(layout, HV, sms, TARGET_SM_FRACTION)
-        if cut:
-            return cut
-    return _segment_chunks(layout, HV, device), 0
-
-
-def _takes_chained_route(layout, HV: int, device: torch.device, wide: bool) -> bool:
-    """Whether segments (cut) get their initial states by the chained route (_initial_states)."""
-    return chained_route_available() and (wide or not context_parallel.exact_route_pays(layout, HV,
-                                                                                       _sm_count_of(device)))
-
-
-def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates, wide: bool,
+def _initial_states(p: Plan, plan, k, a, v, gamma, g, beta, h0, problem: Problem, intermediates,
                     row_bounds: torch.Tensor | None = None):
     """(the segments' initial states, the route, the chained route's walks or None), or (None, None, None) for
     no segments; nothing is read back, so CUDA graphs capture every route. Where the exact route pays
-    (context_parallel.exact_route_pays): the gated route, a warm-up of fixed length for every segment, the
+    (plan.exact_route_pays): the gated route, a warm-up of fixed length for every segment, the
     device's flags of the (segment, head) pairs it left outside the bound, and the exact route's kernels launched
     behind it and run only for those (the segment scan takes each warm state or the transition's); the initial
     states are [n_seg, HV, K, V] fp32. Elsewhere the chained route: the walks (warmup.walk_lengths) go to the
     pass over segments, whose programs warm up inline (state_output_ws.py); the initial states are each segment's
-    sequence's h0 (None without one), for walks that reach the sequence's start. wide: the chained route always.
+    sequence's h0 (None without one), for walks that reach the sequence's start. The route is the plan's.
     row_bounds: the walks' chunk sums as the intra kernel wrote them (emit_bound), else the search sums them."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
-    pays = context_parallel.exact_route_pays(layout, HV, _sm_count_of(dev))
-    if wide or not pays:
-        if not chained_route_available():
-            return None, None, None
-        walk = warmup.walk_lengths(plan.warmup, g, k, beta, row_sums=row_bounds)
+    log_bound = p.config.log_bound
+    if p.initial_states == "chained":
+        walk = warmup.walk_lengths(plan.warmup, g, k, beta, row_sums=row_bounds, log_bound=log_bound)
         if intermediates is not None:
             intermediates.update(walk_lengths=walk)
         init = None if h0 is None else h0.index_select(0, plan.walks.seq_of)
         return init, "chained", (walk, plan.walks.before)
-    if context_parallel.WARMUP_ROUTE:
-        warm = warmup.run_states(plan.gated, h0, (HV, K, V), dev, _warmup_runner(problem, k, a, v, gamma))
-        need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window)
+    if p.initial_states == "gated":
+        warm = warmup.run_states(plan.gated, h0, (HV, K, V), dev, _warmup_runner(p, problem, k, a, v, gamma))
+        need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window, log_bound=log_bound)
         if intermediates is not None:
             intermediates.update(transitions_needed=need)
         gate, route = need, "gated"
@@ -159,12 +102,6 @@ def _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem: Problem,
     propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
     s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, need=need, warm=warm)
     return s0, route, None
-
-
-def chained_route_available() -> bool:
-    """Whether the chained route can run (forward and backward): it needs the decay bound (WARMUP_ROUTE) and a
-    three-warpgroup state pass to walk in (a 32- or 64-column tile: not BLOCK_V forced to 128)."""
-    return context_parallel.WARMUP_ROUTE and (BLOCK_V or WS_BLOCK_V[0]) in WS_BLOCK_V
 
 
 @functools.lru_cache(maxsize=16)
@@ -180,35 +117,16 @@ def no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros(1, HV, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _warmup_runner(problem: Problem, k, a, v, gamma):
+def _warmup_runner(p: Plan, problem: Problem, k, a, v, gamma):
     """run(launch, init) for warmup.run_states: the state pass over the gathered warm-up chunks; their O is not
     used (k stands in for q), their final states are the segments' S0."""
     def run(w, init):
         kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
         states = torch.empty_like(init)
-        _state_pass(StateLaunch(w.cu_seqlens, w.chunk_offsets, init, len(w.segments)), problem, kw, kw, aw, vw,
+        _state_pass(p, StateLaunch(w.cu_seqlens, w.chunk_offsets, init, len(w.segments)), problem, kw, kw, aw, vw,
                     gamma[:, w.chunk_rows].contiguous(), torch.empty_like(vw), states, None)
         return states
     return run
-
-
-def _plan_block_v(N: int, HV: int, device: torch.device) -> int:
-    """The V tile of a pass over N sequences (or segments) whose kernels split V: 32 or 64 (the backward's reverse
-    pass and the forward's training / chained builds), or BLOCK_V where forced."""
-    if BLOCK_V is not None:
-        return BLOCK_V
-    target = TARGET_SM_FRACTION * _sm_count_of(device)
-    return 64 if 2 * N * HV >= target else 32
-
-
-def _plan_state_block_v(N: int, HV: int, device: torch.device, wide: bool) -> int:
-    """A state pass's V tile: all 128 columns where the pass may take its full-width kernel (wide: the forward's
-    state_output_wide.py where it writes O and stores no S0; the backward's reverse pass, backward_state_wide.py,
-    always) and one program per (sequence or segment, head) fills TARGET_SM_FRACTION of the SMs, else
-    _plan_block_v's."""
-    if BLOCK_V is None and wide and N * HV >= TARGET_SM_FRACTION * _sm_count_of(device):
-        return 128
-    return _plan_block_v(N, HV, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,10 +184,9 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
                      block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
 
 
-def recompute_per_sm(block_v: int, store_x: bool) -> int:
-    """The programs an SM of a state pass's build: RECOMPUTE_PER_SM for the fused backward's recompute at 64
-    columns (S0 and X stored, no output: the only build that fits two), else 1."""
-    return RECOMPUTE_PER_SM if store_x and block_v == 64 else 1
+def recompute_per_sm(block_v: int, store_x: bool, cfg: config.Config | None = None) -> int:
+    """The programs an SM of a state pass's build (plan.recompute_per_sm) under cfg, else the current Config."""
+    return planner.recompute_per_sm(block_v, store_x, cfg or config.current())
 
 
 @functools.lru_cache(maxsize=None)
@@ -291,24 +208,25 @@ class StateLaunch:
     walk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _state_pass(launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs,
+def _state_pass(p: Plan, launch: StateLaunch, problem: Problem, q, k, a, v, gamma, o, ht, hs,
                 block_v: int | None = None, xs=None) -> None:
     """One state pass: writes O into o, the final states into ht, S0 per chunk into hs, each if given. Without
     o (the backward's recompute of S0) the three-warpgroup kernel skips the output's loads and products, and
     writes each chunk's X into xs where given (a [1, tokens, HV, V] buffer in v's dtype).
-    block_v: the V tile, else planned from the program count."""
+    block_v: the V tile, else the plan's rule for the pass's program count (plan.state_block_v)."""
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
     dev = k.device
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)               # a tensor argument never touched
-    block_v = block_v or _plan_state_block_v(launch.n, HV, dev, wide=o is not None and hs is None)
+    block_v = block_v or planner.state_block_v(launch.n, HV, p.sms, p.config, wide=o is not None and hs is None)
     emit = o is not None or block_v not in WS_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
     store_x = xs is not None   # (state_output_kernel and the program assert the build it needs)
     chained = launch.walk is not None
     kernel = state_output_kernel(H, HV, TORCH_TO_TL[problem.dtype], launch.init is not None, ht is not None,
-                                 block_v, hs is not None, emit, chained, store_x, recompute_per_sm(block_v, store_x))
+                                 block_v, hs is not None, emit, chained, store_x,
+                                 recompute_per_sm(block_v, store_x, p.config))
     args = (q, k, a, v, gamma, launch.cu_seqlens, launch.chunk_offsets,
             placeholder if launch.init is None else launch.init, o if emit else xs if store_x else stub,
             placeholder if ht is None else ht, float(problem.scale), stub if hs is None else hs)
@@ -329,7 +247,7 @@ class Saved:
     a: torch.Tensor               # Tb
     tm: torch.Tensor              # T
     gamma: torch.Tensor           # [HV, num_chunks, 64]
-    hs: torch.Tensor | None       # S0 of every chunk, [num_chunks, HV, K, V] in the inputs' dtype (KEEP_STATES)
+    hs: torch.Tensor | None       # S0 of every chunk, [num_chunks, HV, K, V] in the inputs' dtype (keep_states)
     # how the forward ran its state pass, to recompute hs: one launch, or the wide route's two (the pass over
     # segments and the plain pass over sequences, each over empty sequences where the device did not pick it)
     states: tuple[StateLaunch, ...]
@@ -341,13 +259,14 @@ class Saved:
     # the decay bound's log per chunk-table row and value head, [num_chunks, HV] fp32, where the forward's route had
     # the intra kernel write it (emit_bound): the backward's warm-up search reads it instead of summing K again
     row_bounds: torch.Tensor | None = None
+    plan: Plan | None = None      # the call's Plan: the backward follows its backward fields
 
 
 def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = None):
     """(o, final state, Saved or None). Pass a dict as `intermediates` to get the intra-chunk kernel's outputs
     back in it (packed: a = T diag(beta) [1, B*T, HV, 64], gamma [HV, num_chunks * 64], one row of 64 per
     chunk) for stage-by-stage checks. Problems that need gradients also keep T, the state pass's launch and,
-    with KEEP_STATES, every chunk's entering state (else entering_states recomputes them)."""
+    with config.keep_states, every chunk's entering state (else entering_states recomputes them)."""
     q, k, v, g, beta, h0, A_log, dt_bias, cu = inputs
     if problem.dtype not in TORCH_TO_TL:
         raise TypeError(f"tilelang_sm90 takes bfloat16/float16 inputs, got {problem.dtype}")
@@ -359,6 +278,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     dev = q.device
     train = problem.needs_grad
     dtypes = prologue.input_dtypes(inputs)
+    p = None
     q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
 
     # packed form [1, B*T]; the chunk tables come from the layout cache (no host read after the first call
@@ -382,6 +302,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         if problem.output_final_state:
             ht = h0.clone() if h0 is not None else torch.zeros(N, HV, K, V, device=dev, dtype=torch.float32)
     else:
+        p = plan_of(problem, layout, dev)
         dt = TORCH_TO_TL[problem.dtype]
         a = torch.empty(1, total, HV, CHUNK, device=dev, dtype=k.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
@@ -392,13 +313,11 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             # the backward's TMA boxes read rows past cu_seqlens[-1]: zeros there, never stale NaNs
             tm = seqlayout.packed_output((1, total, HV, CHUNK), cu, device=dev, dtype=k.dtype)
             a[:, layout.offsets[-1]:] = 0
-            if KEEP_STATES:
+            if p.stores_states:
                 hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
-        seg, waves = _segments(layout, HV, dev, train)
-        wide = waves > 0
+        seg, waves, wide = p.segment_chunks, p.waves, p.wide
         # the chained and wide routes take the walks' chunk sums from the intra kernel (emit_bound)
-        row_bounds = torch.empty(layout.n_chunks, HV, device=dev, dtype=torch.float32) \
-            if seg and _takes_chained_route(layout, HV, dev, wide) else None
+        row_bounds = torch.empty(layout.n_chunks, HV, device=dev, dtype=torch.float32) if p.emit_bound else None
         bound = torch.empty(1, 1, device=dev, dtype=torch.float32) if row_bounds is None else row_bounds
         intra_chunk_kernel(H, HV, dt, train, row_bounds is not None)(k, g, beta, layout.cu_seqlens, chunk_table, a,
                                                                     gamma, tm, bound)
@@ -406,9 +325,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         if seg:
             # context parallelism: every segment's initial state (_initial_states), then the output pass over
             # segments, which also leaves each sequence's final state in its last segment
-            plan = context_parallel.plan_segments(layout, seg)
-            s0, route, walk = _initial_states(plan, layout, k, a, v, gamma, g, beta, h0, problem, intermediates, wide,
-                                              row_bounds)
+            plan = context_parallel.plan_segments(layout, seg, p.window)
+            s0, route, walk = _initial_states(p, plan, k, a, v, gamma, g, beta, h0, problem, intermediates, row_bounds)
         if route:
             n_seg = plan.segments.n_seg
             ht_seg = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32) \
@@ -417,10 +335,10 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
             if wide:
                 # the device picks the wide route or the 64-column pass without segments (context_parallel.pick):
                 # both are launched, the one not picked over empty sequences (its programs exit at once)
-                seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout, waves)
+                seg_cu, wide_walk, plain_cu, choice = context_parallel.pick(plan, walk[0], layout, waves, p.config)
                 walk = (wide_walk, walk[1])
             states = (StateLaunch(seg_cu, plan.chunk_offsets, s0, n_seg, walk),)
-            _state_pass(states[0], problem, q, k, a, v, gamma, o, ht_seg, hs)
+            _state_pass(p, states[0], problem, q, k, a, v, gamma, o, ht_seg, hs, block_v=p.block_v)
             ht = None
             if ht_seg is not None:  # each sequence's last segment; a sequence without tokens keeps its h0
                 ht = ht_seg[plan.segments.seg_offsets[1:].long() - 1]
@@ -432,15 +350,14 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
                 plain = StateLaunch(plain_cu, layout.chunk_offsets, h0, N)
                 states += (plain,)
                 # in one wave (few pairs) the 64- or 32-column pass, in several the 128-column one
-                plain_block_v = _plan_state_block_v(N, HV, dev, wide=True) if waves > 1 else _plan_block_v(N, HV, dev)
-                _state_pass(plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=plain_block_v)
+                _state_pass(p, plain, problem, q, k, a, v, gamma, o, ht_plain, hs, block_v=p.plain_block_v)
                 ht = None if ht is None else torch.where(choice, ht, ht_plain)
                 if intermediates is not None:
                     intermediates.update(wide_choice=choice)
         else:
             ht = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if problem.output_final_state else None
             states = (StateLaunch(layout.cu_seqlens, layout.chunk_offsets, h0, N),)
-            _state_pass(states[0], problem, q, k, a, v, gamma, o, ht, hs)
+            _state_pass(p, states[0], problem, q, k, a, v, gamma, o, ht, hs, block_v=p.block_v)
         if intermediates is not None:
             intermediates.update(a=a, gamma=gamma.reshape(HV, -1), context_parallel=route,
                                  wide_segments=bool(route) and wide)
@@ -450,7 +367,7 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     saved = None
     if train and layout.n_chunks:
         saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, states, layout, stash, A_log, dt_bias, dtypes,
-                      row_bounds)
+                      row_bounds, p)
     o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
@@ -460,14 +377,15 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
 def entering_states(problem: Problem, s: Saved, out: torch.Tensor | None = None,
                     block_v: int | None = None) -> torch.Tensor:
     """Every chunk's entering state S0 [num_chunks, HV, K, V] in the inputs' dtype: the forward's if it kept them
-    (KEEP_STATES), else from the forward's state passes run again (its launches, no output; block_v: another V
-    tile for the same column-separable chain, backward._recompute_beside), into `out` where given."""
+    (config.keep_states), else from the forward's state passes run again (its launches, no output, at the plan's
+    recompute tiles; block_v: another V tile for the same column-separable chain, backward._recompute_beside), into
+    `out` where given."""
     if s.hs is not None:
         return s.hs
     HV, K, V = problem.HV, problem.K, problem.V
     hs = out if out is not None else torch.empty(s.layout.n_chunks, HV, K, V, device=s.k.device, dtype=s.k.dtype)
-    for launch in s.states:
-        _state_pass(launch, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v)
+    for launch, planned in zip(s.states, s.plan.recompute_block_v):
+        _state_pass(s.plan, launch, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v or planned)
     return hs
 
 
@@ -475,12 +393,10 @@ def entering_states_and_x(problem: Problem, s: Saved, hs: torch.Tensor, xs: torc
     """The state passes run again (as entering_states, even where the forward kept S0) writing every chunk's S0
     into hs [num_chunks, HV, K, V] and its X = V - diag(Gamma) K S0 into xs [1, tokens, HV, V] (the rows of its
     sequences; both in the inputs' dtype), for the fused backward. Always the three-warpgroup kernel (a 32- or
-    64-column tile, as _plan_block_v picks without BLOCK_V), the only one that stores X; also for the wide
+    64-column tile: the plan's recompute_x), the only one that stores X; also for the wide
     route's launch, whose forward ran 128 columns: a 128-column recompute (one program per segment and head) was
     26% slower than the 64-column one at 16/32 1x32768 (0.523 against 0.416 ms, H200, docs/performance.md: each
     program's chain, not the bytes, bounds it). At 64 columns two programs share an SM (recompute_per_sm: 0.424 ->
     0.372 ms there, H200)."""
-    for launch in s.states:
-        block_v = _plan_block_v(launch.n, problem.HV, s.k.device)
-        block_v = block_v if block_v in WS_BLOCK_V else WS_BLOCK_V[-1]
-        _state_pass(launch, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v, xs=xs)
+    for launch, (block_v, _) in zip(s.states, s.plan.recompute_x):
+        _state_pass(s.plan, launch, problem, s.q, s.k, s.a, s.v, s.gamma, None, None, hs, block_v, xs=xs)

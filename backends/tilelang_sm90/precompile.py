@@ -34,7 +34,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     """The kernels a call at (H, HV, dtype) can need: the forward's (intra chunk; the state pass with or
     without initial / final states at each V tile the plan picks, chained or not, and at 128 columns; the
     propagator), and with `training` the intra kernel that also writes T, the state pass that stores S0 (without
-    output: the backward's recompute, with X for the fused path; with it: the forward with KEEP_STATES), and the
+    output: the backward's recompute, with X for the fused path; with it: the forward with keep_states), and the
     backward's: `staged` the reverse pass and the per-chunk gradients, `fused` the fused kernel and the reverse
     passes its segments' gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
     if backward not in BACKWARDS:
@@ -60,7 +60,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
                                                         recompute_per_sm(bv, x)))
                  for h0, bv, chained, x in itertools.product(flags, WS_BLOCK_V, flags, stores_x)]
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained, False, 1))
-                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]   # KEEP_STATES
+                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]   # keep_states
         if backward != "fused":
             jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained, False))
                      for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]

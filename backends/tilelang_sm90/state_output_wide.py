@@ -36,7 +36,7 @@ Barriers (stage slot s = i % STAGES, U slot h = i % 2; parity (i // slots) % 2, 
 The output waits freed[s] (the owner's K_d^T U done) before it stages O over U.
 
 forward.py takes it for passes without S0 stores whose (sequence or segment, head) programs fill 70% of the SMs
-(forward._plan_state_block_v), and for the wide route's segments (context_parallel.wide_segment_chunks); the
+(plan.state_block_v), and for the wide route's segments (plan.wide_segment_chunks); the
 pipelined state_output.py keeps the training builds that store S0. The chained build walks back before each
 segment as state_output_ws.py's does; the walk's chunks have no output.
 """

@@ -3,13 +3,13 @@
 Per token the state map is S -> e^{g_t} (I - beta_t k_t k_t^T) S + beta_t k_t v_t^T. Its linear part has
 spectral norm at most b_t = e^{g_t} max(1, |1 - beta_t ||k_t||^2|) (the bracket is 1 for unit keys and beta
 in [0, 2]). So the state at a segment's start depends on the state m chunks earlier only through a product of
-norm <= exp(sum of log b_t over those m chunks). Once that sum is below LOG_BOUND for every head, running just
-those m chunks from a zero state gives the segment's S0 to within e^LOG_BOUND of the earlier state's size
+norm <= exp(sum of log b_t over those m chunks). Once that sum is below log_bound (config.py, -12) for every head, running just
+those m chunks from a zero state gives the segment's S0 to within e^log_bound of the earlier state's size
 (e^-12 ~ 6e-6, where bf16 rounding is 4e-3). A warm-up that reaches back to its sequence's start is exact (it
 starts from the sequence's initial state).
 
 The forward's warm-up runs its own state kernel on the gathered warm-up chunks, a fixed few per segment
-(fixed_warmup: FIRST_WINDOW chunks, or half a segment where that is less), so it costs a gather and a short
+(fixed_warmup: config.first_window chunks, or half a segment where that is less: plan.window), so it costs a gather and a short
 launch, where the exact route (propagator.py + the segment scan) costs ~1.3 output passes. Whether it settled
 each (segment, head) is decided on the device (transitions_needed), and the exact kernels run behind it for the
 pairs it did not (the gated route, context_parallel.py). The chained route runs no separate warm-up: its state
@@ -27,12 +27,9 @@ import dataclasses
 
 import torch
 
+from .config import current
+
 CHUNK = 64
-LOG_BOUND = -12.0
-# Chunks per fixed warm-up: the quick grid's gates (logsigmoid(randn), ~0.8 a token) settle in one; model-like
-# gates' median head in 2-3, their slowest in 76-175 (the bench's --gates model),
-# which no short window reaches.
-FIRST_WINDOW = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +130,6 @@ def warmup_run(t: WarmupTables, m: list[int] | tuple[int, ...], device: torch.de
                      as_dev(exact), as_dev([t.seq_of[w.segments[i]] for i in exact]))
 
 
-def window(segment_chunks: int) -> int:
-    """The fixed warm-up's length in chunks: FIRST_WINDOW, or half a segment where that is less (each warm-up chunk
-    lies on the critical path as a segment's own chunk does)."""
-    return min(segment_chunks // 2, FIRST_WINDOW)
-
-
 def fixed_warmup(t: WarmupTables, window: int, device: torch.device) -> WarmupRun:
     """The forward's warm-up: min(window, available) chunks before every segment, known from the host tables
     alone, so its launch is built with the segment plan (context_parallel.plan_segments) and a call, captured or
@@ -148,40 +139,49 @@ def fixed_warmup(t: WarmupTables, window: int, device: torch.device) -> WarmupRu
 
 
 def transitions_needed(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
-                       reverse: bool = False, row_sums: torch.Tensor | None = None) -> torch.Tensor:
+                       reverse: bool = False, row_sums: torch.Tensor | None = None,
+                       log_bound: float | None = None) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: 1 where a segment's transition is needed because the warm-up of
     min(window, available) chunks (fixed_warmup; reverse_warmup's window with reverse) leaves, for that head, the
     segment it hands its state to (the next one; the previous one with reverse) outside the bound; 0 elsewhere
-    (the gated route's flags: context_parallel.py). row_sums: as reverse_warmup's."""
+    (the gated route's flags: context_parallel.py). row_sums: as reverse_warmup's; log_bound: the plan's (default:
+    the current Config's)."""
     from .warmup_bound import transitions_needed as flags
-    return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, LOG_BOUND,
+    return flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, reverse, _bound(log_bound),
                  None, row_sums, t.end_rows if reverse else t.chunk_rows)
 
 
 def reverse_warmup(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
-                   window: int, row_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   window: int, row_sums: torch.Tensor | None = None,
+                   log_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(walk, need), [n_seg, HV] int32 on the device, in one search: the backward's warm-up per segment and value
-    head -- the fewest of the min(window, available) chunks after the segment whose bound is <= LOG_BOUND, all of
+    head -- the fewest of the min(window, available) chunks after the segment whose bound is <= log_bound, all of
     them where none is (the reverse pass walks them in place from the segment's end, backward._gated_ds_ends) --
     and transitions_needed(..., reverse=True)'s flags for the pairs the window leaves unsettled. row_sums: the
     bound summed per chunk-table row, [n_chunks, HV] fp32, where the training forward's intra kernel wrote it
     (forward.Saved.row_bounds): read in place of summing the window's tokens again (one launch fewer)."""
     from .warmup_bound import transitions_needed as flags
     walk = torch.empty(t.starts.shape[0], g.shape[2], dtype=torch.int32, device=g.device)
-    need = flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, True, LOG_BOUND, walk,
-                 row_sums, t.end_rows)
+    need = flags(t.starts, t.ends, t.seq_ends, t.before, t.after, g, k, beta, window, True, _bound(log_bound),
+                 walk, row_sums, t.end_rows)
     return walk, need
 
 
 def walk_lengths(t: WarmupTables, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
-                 reverse: bool = False, row_sums: torch.Tensor | None = None) -> torch.Tensor:
+                 reverse: bool = False, row_sums: torch.Tensor | None = None,
+                 log_bound: float | None = None) -> torch.Tensor:
     """[n_seg, HV] int32 on the device: per segment and value head, the fewest whole chunks before the segment
-    (after it with reverse) whose bound is <= LOG_BOUND -- run from zero, they give the segment's initial state
-    (dS_end) within e^LOG_BOUND -- or all of them to the sequence's start (end): then exact, from h0 (dht). The
+    (after it with reverse) whose bound is <= log_bound -- run from zero, they give the segment's initial state
+    (dS_end) within e^log_bound -- or all of them to the sequence's start (end): then exact, from h0 (dht). The
     chained route's walks (state_output_ws.py, backward_state.py); nothing is read back. row_sums: the bound
     summed per chunk-table row, [n_chunks, HV] fp32, where the intra kernel wrote it (emit_bound)."""
     from .warmup_bound import walk_lengths as search
-    return search(t, g, k, beta, reverse, LOG_BOUND, row_sums)
+    return search(t, g, k, beta, reverse, _bound(log_bound), row_sums)
+
+
+def _bound(log_bound: float | None) -> float:
+    """The decay bound's log: the plan's where given, else the current Config's."""
+    return current().log_bound if log_bound is None else log_bound
 
 
 def run_states(wr: WarmupRun, boundary: torch.Tensor | None, shape: tuple[int, int, int], device: torch.device,
