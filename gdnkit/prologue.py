@@ -90,14 +90,21 @@ def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias, qk_norm
             x = x + dt_bias.float()
         a = torch.exp(A_log.float())
         sp = F.softplus(x)
-        dA_log = (dg * (-a * sp)).sum(dim=(0, 1))
-        dg = dg * (-a) * torch.sigmoid(x)
+        dA_log = _chain(dg, -a * sp).sum(dim=(0, 1))
+        dg = _chain(dg, -a * torch.sigmoid(x))
         if dt_bias is not None:
             ddt_bias = dg.sum(dim=(0, 1))
     if problem.use_beta_sigmoid_in_kernel:
         s = torch.sigmoid(stash["beta_raw"].float())
-        dbeta = dbeta * s * (1 - s) * (2.0 if problem.allow_neg_eigval else 1.0)
+        dbeta = _chain(dbeta, s * (1 - s) * (2.0 if problem.allow_neg_eigval else 1.0))
     return dq, dk, dg, dbeta, dA_log, ddt_bias
+
+
+def _chain(upstream: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """upstream * local, where a zero upstream gradient stays zero whatever the local derivative: tokens past
+    cu_seqlens[-1] get zero gradient from the kernels and may hold anything (NaN * 0 would be NaN, and summed into
+    dA_log / ddt_bias it would spoil the whole call's)."""
+    return torch.where(upstream == 0, torch.zeros((), dtype=upstream.dtype, device=upstream.device), upstream * local)
 
 
 def sum_head_groups(x: torch.Tensor, H: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -2,6 +2,8 @@
 final states never alias the caller's tensors, second-order gradients raise instead of vanishing."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,3 +81,53 @@ def test_double_backward_raises(fn):
     loss = (o ** 2).sum() + call["k"].pow(2).sum()
     with pytest.raises(RuntimeError, match="double backward"):  # a loss with other terms beside gdnkit's
         torch.autograd.grad(loss, [call["q"], call["k"]], create_graph=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton_generic"])
+def test_garbage_past_the_last_sequence_gets_zero_gradient(backend):
+    """Tokens past cu_seqlens[-1] belong to no sequence: whatever they hold (NaN, Inf), their outputs and their
+    gradients are zero, and the gradients of what every token shares (A_log, dt_bias) stay those of the live tokens.
+    triton_generic runs its entry points (the Triton interpreter on a CPU)."""
+    if backend == "triton_generic":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("triton_generic needs a GPU or the Triton interpreter")
+    gen = torch.Generator().manual_seed(7)
+    T, end, H, HV, K, V = 90, 70, 1, 2, 16, 16
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    live = dict(q=torch.randn(1, T, H, K, generator=gen), k=F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1),
+                v=torch.randn(1, T, HV, V, generator=gen), g=torch.randn(1, T, HV, generator=gen),
+                beta=torch.randn(1, T, HV, generator=gen))
+    live = {n: t.to(dev) for n, t in live.items()}
+    shared = dict(A_log=torch.randn(HV, generator=gen).to(dev) * 0.1, dt_bias=torch.randn(HV, generator=gen).to(dev) * 0.1)
+    cu = torch.tensor([0, 30, end], dtype=torch.int32, device=dev)
+    weights = torch.linspace(-1, 1, V, device=dev)
+
+    def grads(tensors):
+        leaves = {n: t.clone().requires_grad_() for n, t in {**tensors, **shared}.items()}
+        call = dict(leaves, cu_seqlens=cu, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        if backend == "triton_generic" and dev == "cpu":   # the entry points: the autograd glue needs dispatch
+            from gdnkit.backends.triton_generic import BACKEND
+            from gdnkit.problem import CHUNK_MODE, validate_inputs
+            problem, inputs = validate_inputs(CHUNK_MODE, **call)
+            o, _, saved = BACKEND.chunk_forward(problem, inputs)
+            do = torch.zeros_like(o)
+            do[:, :end] = weights
+            got = BACKEND.chunk_backward(problem, saved, do, None)
+            return o, dict(zip(("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias"), got))
+        o, _ = gdnkit.chunk_gated_delta_rule(**call, backend=backend)
+        (o[:, :end] * weights).sum().backward()
+        return o, {n: t.grad for n, t in leaves.items()}
+
+    o_clean, clean = grads(live)
+    garbage = {n: t.clone() for n, t in live.items()}
+    for n, t in garbage.items():
+        t[:, end:] = float("nan") if n in ("g", "v") else float("inf")
+    o_bad, bad = grads(garbage)
+    assert torch.equal(o_bad[:, end:], torch.zeros_like(o_bad[:, end:]))
+    torch.testing.assert_close(o_bad, o_clean, rtol=0, atol=0)
+    for n in (*live, *shared):
+        assert torch.isfinite(bad[n]).all(), n
+        torch.testing.assert_close(bad[n], clean[n], rtol=1e-6, atol=1e-6, msg=n)
+        if n in live:
+            assert not bad[n][:, end:].any(), n

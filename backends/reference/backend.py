@@ -60,6 +60,14 @@ def reference_forward(problem: Problem, inputs: GDNInputs,
                       form: Callable = chunked_gdn) -> tuple[torch.Tensor, torch.Tensor | None]:
     """o (v's dtype) and the final state (compute dtype, or None) of a call, through `form`."""
     dt = problem.compute_dtype
+    if problem.varlen:
+        # tokens past cu_seqlens[-1] belong to no sequence and may hold anything: zeroed by where (not a multiply)
+        # before the options, so neither their outputs nor the gradients (dA_log / ddt_bias sum over every
+        # token) see them
+        end = seq_bounds(inputs.cu_seqlens)[-1][1]
+        live = (torch.arange(problem.T, device=inputs.q.device) < end)[None, :, None]
+        inputs = inputs._replace(**{name: torch.where(live if x.dim() == 3 else live[..., None], x, 0)
+                                    for name, x in zip(("q", "k", "v", "g", "beta"), inputs[:5])})
     q, k, v, g, beta = apply_options(problem, inputs)
     h0 = inputs.initial_state
     if h0 is not None:
