@@ -502,9 +502,13 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
                              f"({'len(cu_seqlens) - 1' if cu_seqlens is not None else 'the batch size'}), "
                              f"got {initial_state.shape[0]} (shape {_shape(initial_state)})")
         _require_shape("initial_state", initial_state, state_shape, state_layout)
-        if initial_state.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"initial_state must be float32 (or float64 with float64 inputs), "
-                            f"got {initial_state.dtype}")
+        if initial_state.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise TypeError(f"initial_state must be a floating tensor (float32; bfloat16 / float16 are taken as "
+                            f"float32, as FLA takes them), got {initial_state.dtype}")
+        if initial_state.dtype in (torch.bfloat16, torch.float16):
+            # states are float32 throughout (FLA's callers, e.g. a model's bf16 cache, pass half ones); the cast
+            # is a torch op, so the gradient reaches the caller's tensor in its own dtype
+            initial_state = initial_state.float()
 
     if use_gate_in_kernel:
         if A_log is None:

@@ -88,8 +88,23 @@ def test_initial_state_shape_and_count():
            initial_state=torch.randn(1, 4, 8, 4))
     expect(ValueError, re.escape("[N, HV, V, K] (state_v_first) = [1, 4, 8, 8], got [1, 4, 4, 8]"),
            initial_state=torch.randn(1, 4, 4, 8), state_v_first=True)
-    expect(TypeError, r"initial_state must be float32 .* got torch.bfloat16",
-           initial_state=torch.randn(1, 4, 8, 8, dtype=torch.bfloat16))
+    expect(TypeError, r"initial_state must be a floating tensor .* got torch.int32",
+           initial_state=torch.zeros(1, 4, 8, 8, dtype=torch.int32))
+
+
+def test_half_initial_state_is_taken_as_float32():
+    """FLA takes a bf16 / fp16 initial state (a model's cache in its dtype): the same call as with its float32
+    value, and the gradient comes back in the caller's dtype."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 20, 2, 8, generator=gen), torch.randn(1, 20, 2, 8, generator=gen)
+    v, g, beta = torch.randn(1, 20, 4, 8, generator=gen), -torch.rand(1, 20, 4, generator=gen), torch.rand(1, 20, 4)
+    h0 = torch.randn(1, 4, 8, 8, generator=gen).bfloat16().requires_grad_()
+    o, ht = gdnkit.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o32, ht32 = gdnkit.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0.detach().float(), output_final_state=True)
+    assert ht.dtype == torch.float32
+    torch.testing.assert_close((o, ht), (o32, ht32), rtol=0, atol=0)
+    ht.sum().backward()
+    assert h0.grad is not None and h0.grad.dtype == torch.bfloat16 and h0.grad.abs().sum() > 0
 
 
 def test_gate_parameters():
