@@ -1007,7 +1007,6 @@ def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch,
     columns beside one wave of segments, at 128 beside several), and the device picks one (context_parallel.pick):
     the other runs over empty sequences. Either pick gives the plain path's output and final states (float64
     stand-ins of the kernels)."""
-    from gdnkit.backends.tilelang_sm90 import plan as planner
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -1019,8 +1018,7 @@ def test_wide_route_choice_host_side(lengths, state, picked, waves, monkeypatch,
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
     sm90_config(segment_chunks=None)
     # the wide route, on a CPU: 2-chunk segments in one wave or in several
-    monkeypatch.setattr(planner, "wide_segment_chunks", lambda *_: 2 if waves == 1 else None)
-    monkeypatch.setattr(planner, "wide_waves_segment_chunks", lambda *_: (2, waves))
+    sm90_config(wide_segment_chunks=2 if waves == 1 else 0, wide_waves_segment_chunks=(2, waves))
     ratio = "wide_step_ratio" if waves == 1 else "waves_step_ratio"
     sm90_config(**{ratio: 0.0 if picked == "wide" else 1e9})
     launched = []   # per state-pass launch: (chained, whether any of its sequences has a token)
@@ -1293,7 +1291,6 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     replays both launches at 64 columns, the wide one walking as the forward did. The kernels are float64
     stand-ins of their contracts; every gradient is checked against autograd through the float64 reference."""
     from gdnkit.backends.tilelang_sm90 import config
-    from gdnkit.backends.tilelang_sm90 import plan as planner
     pytest.importorskip("triton")
     from gdnkit.backends.tilelang_sm90 import BACKEND, context_parallel
     from gdnkit.backends.tilelang_sm90 import backward as bwd
@@ -1308,13 +1305,13 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     segments = case.startswith("segments")
     sm90_config(block_v=None if wide else 64)
     if wide:   # the wide route in the forward and the backward (2-chunk segments), the device's pick forced
-        monkeypatch.setattr(planner, "wide_segment_chunks", lambda *_: 2)
+        sm90_config(wide_segment_chunks=2)
         sm90_config(wide_step_ratio=0.0 if picked == "wide" else 1e9)
     sm90_config(segment_chunks=2 if segments else 0)
     sm90_config(warmup_route=case != "segments-exact")
     chained = case.startswith("segments-chained")
     if chained:
-        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
+        sm90_config(exact_route_pays=False)
     flags = []   # the gated routes' device flags: (reverse, transitions needed per segment and head)
     real_needed = bwd.warmup.transitions_needed
     monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False, **kw: flags.append(
@@ -1514,7 +1511,6 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     gates that settle in a chunk, gates that barely decay, and one head of each), then the state pass over
     segments from those states, which also gives the final states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
     everything around them against the plain path and float64."""
-    from gdnkit.backends.tilelang_sm90 import plan as planner
     pytest.importorskip("triton")
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
@@ -1540,7 +1536,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
                                       cu_seqlens=cu, state_v_first=True)
     sm90_config(warmup_route=route != "exact")
     if route == "chained":   # the route where the exact one does not pay
-        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
+        sm90_config(exact_route_pays=False)
     results = {}
     for segs in (0, 2):
         sm90_config(segment_chunks=segs)
@@ -1606,7 +1602,6 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
     (gated and chained: whether the fixed warm-up settled every segment, as the device flagged; wide: the chained
     route in the 128-column state pass); a second call gives the same bits."""
-    from gdnkit.backends.tilelang_sm90 import plan as planner
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -1622,7 +1617,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     if route == "wide" and settled is False:   # the wide pass's long walks: made to be picked over the plain pass
         sm90_config(wide_step_ratio=0.0)
     if route == "chained" and segment_chunks:
-        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
+        sm90_config(exact_route_pays=False)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(5)
     r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
@@ -2093,7 +2088,6 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch, sm90_
     their programs walk up to 8 segments both ways; by the backward's wide route (at 65573 tokens: 16 segments,
     one 128-column reverse-pass program per segment and head, half the heads walking far); every gradient
     against the float64 chunked backward."""
-    from gdnkit.backends.tilelang_sm90 import plan as planner
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
@@ -2109,7 +2103,7 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch, sm90_
     sm90_config(wide_route=route == "wide")
     if route == "chained":
         sm90_config(segment_chunks=16)
-        monkeypatch.setattr(planner, "exact_route_pays", lambda *_: False)
+        sm90_config(exact_route_pays=False)
     routes = []
     real_segments = bwd._segments
     monkeypatch.setattr(bwd, "_segments", lambda *a: routes.append(real_segments(*a)[1]) or real_segments(*a))

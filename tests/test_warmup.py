@@ -12,10 +12,12 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from gdnkit.backends.tilelang_sm90 import warmup
+from gdnkit.backends.tilelang_sm90.config import current
 
 pytest.importorskip("triton")  # the warm-up kernels run in Triton's interpreter on a CPU (the gpu extra)
 
 CHUNK = warmup.CHUNK
+LOG_BOUND = current().log_bound   # the bound the warm-up functions take by default
 
 
 def _log_norm_bound(g, k, beta):
@@ -70,9 +72,9 @@ def test_settled_warmup_states_are_within_the_bound(n_chunks, seg, window, rates
         exact = m == s
         for hv in range(HV):
             if need[j - 1, hv]:                     # flagged: the warm-up falls short, by the bound
-                assert not exact and bound[hv] > warmup.LOG_BOUND
+                assert not exact and bound[hv] > LOG_BOUND
                 continue
-            assert exact or bound[hv] <= warmup.LOG_BOUND
+            assert exact or bound[hv] <= LOG_BOUND
             kh, vh, gh, bh = k[0, :, hv // (HV // H)], v[0, :, hv], g[0, :, hv].tolist(), beta[0, :, hv].tolist()
             at_x = _run(h0[hv], kh, vh, gh, bh, 0, x)
             true = _run(at_x, kh, vh, gh, bh, x, x0)
@@ -130,7 +132,7 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
             lo, hi = t.ends_host[j], min(t.ends_host[j] + CHUNK * m, t.seq_ends_host[j])
         else:
             lo, hi = t.starts_host[j] - CHUNK * m, t.starts_host[j]
-        unsettled = (m < avail) & (log_b[lo:hi].sum(0) > warmup.LOG_BOUND)
+        unsettled = (m < avail) & (log_b[lo:hi].sum(0) > LOG_BOUND)
         want[j + 1 if reverse else j - 1] = unsettled.to(torch.int32)
     got = warmup.transitions_needed(t, g, k, beta, window, reverse)
     assert got.dtype == torch.int32 and torch.equal(got, want)
@@ -145,7 +147,7 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
         m = min(window, avail)
         first = int(t.end_rows[j]) if reverse else t.chunk_rows_host[j] - m
         total = rows[first:first + m].double().sum(0)
-        want_rows[j + 1 if reverse else j - 1] = ((m < avail) & (total > warmup.LOG_BOUND)).to(torch.int32)
+        want_rows[j + 1 if reverse else j - 1] = ((m < avail) & (total > LOG_BOUND)).to(torch.int32)
     got = warmup.transitions_needed(t, g, k, beta, window, reverse, row_sums=rows)
     assert torch.equal(got, want_rows), (got, want_rows)
 
@@ -183,7 +185,7 @@ def _walks_by_definition(t, log_b, reverse):
                 else:
                     lo, hi = t.starts_host[j] - CHUNK * (i + 1), t.starts_host[j] - CHUNK * i
                 total += float(log_b[lo:hi, hv].sum())
-                if total <= warmup.LOG_BOUND:
+                if total <= LOG_BOUND:
                     m = i + 1
                     break
             want[j, hv] = m
@@ -258,19 +260,19 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_m
             exact = m == avail
             # the fewest chunks of the window that settle the head, else the whole window
             sums = [float(log_b[e:min(e + CHUNK * i, T), hv].sum()) for i in range(1, min(window, avail) + 1)]
-            settling = [i + 1 for i, s_i in enumerate(sums) if s_i <= warmup.LOG_BOUND]
+            settling = [i + 1 for i, s_i in enumerate(sums) if s_i <= LOG_BOUND]
             assert m == (settling[0] if settling else min(window, avail)), (j, hv, m, sums)
             if m == 0:
                 continue
             if need[j + 1, hv]:                   # flagged: the warm-up falls short, by the bound
-                assert not exact and float(log_b[e:x, hv].sum()) > warmup.LOG_BOUND
+                assert not exact and float(log_b[e:x, hv].sum()) > LOG_BOUND
                 continue
             kh, gh, bh = k[0, :, 0], g[0, :, hv].tolist(), beta[0, :, hv].tolist()
             at_x = _run_back(dht[hv], kh, F[:, hv], gh, bh, T, x)
             true = _run_back(at_x, kh, F[:, hv], gh, bh, x, e)
             warm = _run_back(dht[hv] if exact else torch.zeros(Kd, Vd, dtype=torch.float64), kh, F[:, hv], gh, bh, x, e)
             bound = math.exp(float(log_b[e:x, hv].sum()))
-            assert exact or bound <= math.exp(warmup.LOG_BOUND) * (1 + 1e-9)
+            assert exact or bound <= math.exp(LOG_BOUND) * (1 + 1e-9)
             assert (warm - true).norm() <= bound * at_x.norm() * (1 + 1e-9) + 1e-12
 
 

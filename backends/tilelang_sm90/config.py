@@ -60,6 +60,12 @@ class Config:
     warmup_sms_per_program: int = 1
     # False: always the exact route where segments are cut (tests of the propagator path)
     warmup_route: bool = True
+    # Forced rules, for tests on a CPU (no SMs to fill) and A/Bs; None: the rule decides. exact_route_pays: whether
+    # cut segments take the gated / exact route (else the chained one); wide_segment_chunks: the wide route's
+    # segments in one wave (0: none); wide_waves_segment_chunks: (chunks per segment, waves) in several
+    exact_route_pays: bool | None = None
+    wide_segment_chunks: int | None = None
+    wide_waves_segment_chunks: tuple[int, int] | None = None
     # False: segments take the routes above at 32 / 64 columns, not the wide one (tests of those routes)
     wide_route: bool = True
     # The wide pass's chunk-step over the 64-column pass's, each at one program per SM (H200: ~2.9 vs ~2.0 us): the

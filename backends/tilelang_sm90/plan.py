@@ -233,6 +233,8 @@ def _narrowest_programs(layout: SequenceLayout, HV: int) -> int:
 
 def exact_route_pays(layout: SequenceLayout, HV: int, sms: int, cfg: Config) -> bool:
     """Whether segments with the exact route (propagator + scan) beat no segments (sms_per_program)."""
+    if cfg.exact_route_pays is not None:
+        return cfg.exact_route_pays
     return cfg.segment_chunks is not None or _narrowest_programs(layout, HV) * cfg.sms_per_program <= sms
 
 
@@ -263,6 +265,8 @@ def wide_segment_chunks(layout: SequenceLayout, HV: int, sms: int, cfg: Config) 
     64-column one needs ~2.0 us for half of it, and loads Q, K and Tb once per head); None where even those
     segments leave the pairs short of the fraction. Forced segment_chunks leaves segmenting to the other routes
     (their tests)."""
+    if cfg.wide_segment_chunks is not None:
+        return cfg.wide_segment_chunks or None
     fill = cfg.target_sm_fraction
     pairs = len(layout.lengths) * HV
     if cfg.segment_chunks is not None or sms == 0 or pairs >= fill * sms:
@@ -298,6 +302,8 @@ def wide_waves_segment_chunks(layout: SequenceLayout, HV: int, sms: int, cfg: Co
     so the segments are taken only where the longest sequence dominates it); segment lengths from
     _wave_segment_lengths; None unless they cost at most waves_margin of the plain pass. The device's pick
     (context_parallel.pick, with the walks) still has the last word."""
+    if cfg.wide_waves_segment_chunks is not None:
+        return cfg.wide_waves_segment_chunks
     pairs = len(layout.lengths) * HV
     if cfg.segment_chunks is not None or sms == 0 or pairs < cfg.target_sm_fraction * sms:
         return None

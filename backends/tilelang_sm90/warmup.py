@@ -3,18 +3,18 @@
 Per token the state map is S -> e^{g_t} (I - beta_t k_t k_t^T) S + beta_t k_t v_t^T. Its linear part has
 spectral norm at most b_t = e^{g_t} max(1, |1 - beta_t ||k_t||^2|) (the bracket is 1 for unit keys and beta
 in [0, 2]). So the state at a segment's start depends on the state m chunks earlier only through a product of
-norm <= exp(sum of log b_t over those m chunks). Once that sum is below log_bound (config.py, -12) for every head, running just
-those m chunks from a zero state gives the segment's S0 to within e^log_bound of the earlier state's size
-(e^-12 ~ 6e-6, where bf16 rounding is 4e-3). A warm-up that reaches back to its sequence's start is exact (it
-starts from the sequence's initial state).
+norm <= exp(sum of log b_t over those m chunks). Once that sum is below log_bound (config.py, -12) for every
+head, running just those m chunks from a zero state gives the segment's S0 to within e^log_bound of the earlier
+state's size (e^-12 ~ 6e-6, where bf16 rounding is 4e-3). A warm-up that reaches back to its sequence's start is
+exact (it starts from the sequence's initial state).
 
 The forward's warm-up runs its own state kernel on the gathered warm-up chunks, a fixed few per segment
-(fixed_warmup: config.first_window chunks, or half a segment where that is less: plan.window), so it costs a gather and a short
-launch, where the exact route (propagator.py + the segment scan) costs ~1.3 output passes. Whether it settled
-each (segment, head) is decided on the device (transitions_needed), and the exact kernels run behind it for the
-pairs it did not (the gated route, context_parallel.py). The chained route runs no separate warm-up: its state
-passes walk, per (segment, head), as many chunks as the same bound needs (walk_lengths). Nothing is read back,
-so CUDA graphs capture every route.
+(fixed_warmup: config.first_window chunks, or half a segment where that is less: plan.window), so it costs a
+gather and a short launch, where the exact route (propagator.py + the segment scan) costs ~1.3 output passes.
+Whether it settled each (segment, head) is decided on the device (transitions_needed), and the exact kernels run
+behind it for the pairs it did not (the gated route, context_parallel.py). The chained route runs no separate
+warm-up: its state passes walk, per (segment, head), as many chunks as the same bound needs (walk_lengths).
+Nothing is read back, so CUDA graphs capture every route.
 
 The backward's dS chain runs the transposes of the same per-token maps, right to left, so the same bound
 gives each segment's dS_end from a warm-up over the chunks after it (reverse=True), run by the backward's
