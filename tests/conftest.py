@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 
 import pytest
@@ -17,7 +18,27 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
+# Compiling kernels without a GPU takes 20-190 s a test on 2 cores (~40 minutes in all): these run in CI, not in the
+# default quick run. TileLang's: the tests that build a kernel (through _tilelang, _kernel or _source); Triton's:
+# the whole of test_triton_compile.py.
+_BUILDS_TILELANG = ("_tilelang()", "_kernel(", "_source(")
+
+
+def _compiles_kernels(item) -> bool:
+    module = item.module.__name__ if getattr(item, "module", None) else ""
+    if module.endswith("test_triton_compile"):
+        return True
+    if not module.endswith("test_tilelang_sm90"):
+        return False
+    source = inspect.getsource(item.function)
+    return any(call in source for call in _BUILDS_TILELANG)
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _compiles_kernels(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
