@@ -39,7 +39,7 @@ class Decision:
     @property
     def runs(self) -> bool:
         """Whether the call would run (False: a forced backend with reasons, or no backend at all)."""
-        return self.chosen is not None and not self.reasons[self.chosen]
+        return self.chosen is not None and not self.reasons.get(self.chosen)
 
     def __str__(self) -> str:
         lines = [f"problem: {self.problem.describe()}"]
@@ -48,7 +48,7 @@ class Decision:
         elif not self.runs:
             lines.append(f"chosen: {self.chosen} (by {self.source}), which cannot take this problem (the call "
                          f"raises BackendNotSupportedError):")
-            lines += [f"    - {why}" for why in self.reasons[self.chosen]]
+            lines += [f"    - {why}" for why in self.reasons.get(self.chosen, [])]
         else:
             lines.append(f"chosen: {self.chosen} (by {self.source})")
         for name, why in self.reasons.items():

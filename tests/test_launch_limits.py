@@ -206,10 +206,10 @@ def test_gpu_offsets_past_int32(backend):
     if torch.cuda.get_device_properties(0).total_memory < 70 * 2**30:
         pytest.skip("needs ~70 GB of GPU memory")
     total = 2**31 // (64 * 128) + 64
+    assert total * 64 * 128 > 2**31 > (total - 100) * 64 * 128   # the far sequence's last tokens are past 2^31
     call = _gpu_call([total - 100, 100], 16, 64)
     leaves = {m: call[m].requires_grad_() for m in ("q", "k", "v", "g", "beta")}
     o, _ = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
     do = torch.randn_like(o)
     grads = dict(zip(leaves, torch.autograd.grad(o, list(leaves.values()), do)))
-    assert (total - 100) * 64 * 128 > 2**31
     _check_sequences_alone(call, o.detach(), grads, [1], do)

@@ -131,3 +131,31 @@ def test_garbage_past_the_last_sequence_gets_zero_gradient(backend):
         torch.testing.assert_close(bad[n], clean[n], rtol=1e-6, atol=1e-6, msg=n)
         if n in live:
             assert not bad[n][:, end:].any(), n
+
+
+@pytest.mark.parametrize("lengths,state_v_first", [((0, 0), False), ((0,), True)])
+def test_sm90_training_call_with_no_chunk(lengths, state_v_first):
+    """A tilelang_sm90 training call where no sequence has a token (T = 0, or only tokens past cu_seqlens[-1])
+    keeps nothing from its forward; its backward still returns every gradient, as the reference does: zeros, and
+    dh0 = dht (each final state is its initial state). Runs the backward's host code on a CPU."""
+    pytest.importorskip("tilelang")
+    from gdnkit.backends.tilelang_sm90.backward import backward
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    gen = torch.Generator().manual_seed(5)
+    N, T, H, HV, K, V = len(lengths), 3, 1, 2, 8, 8
+    call = dict(q=torch.randn(1, T, H, K, generator=gen), k=torch.randn(1, T, H, K, generator=gen),
+                v=torch.randn(1, T, HV, V, generator=gen), g=-torch.rand(1, T, HV, generator=gen),
+                beta=torch.rand(1, T, HV, generator=gen), initial_state=torch.randn(N, HV, K, V, generator=gen),
+                A_log=torch.zeros(HV), dt_bias=torch.zeros(HV))
+    call = {n: t.requires_grad_() for n, t in call.items()}
+    cu = torch.tensor([0, *lengths], dtype=torch.int32)
+    options = dict(cu_seqlens=cu, use_gate_in_kernel=True, state_v_first=state_v_first)
+    o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend="reference", **options)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    want = torch.autograd.grad([o, ht], list(call.values()), [do, dht], allow_unused=True)
+    problem, _ = validate_inputs(CHUNK_MODE, **call, output_final_state=True, **options)
+    got = backward(problem, None, do, dht)
+    for name, w, x in zip(call, want, got):
+        w = torch.zeros_like(call[name]) if w is None else w
+        assert x is not None and x.shape == w.shape, name
+        torch.testing.assert_close(x.float(), w.float(), msg=name)

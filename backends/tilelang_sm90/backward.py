@@ -187,9 +187,26 @@ def _recompute_beside(problem: Problem, s: Saved, dev: torch.device):
     return hs, side
 
 
+def no_chunk_grads(problem: Problem, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
+    """The gradients of a training call with no chunk at all (T = 0, or every sequence empty: the forward keeps
+    nothing): no token reaches an output, and each final state is its initial state, so dh0 = dht."""
+    B, T, HV, V = problem.B, problem.T, problem.HV, problem.V
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, device=do.device, dtype=dtype)  # noqa: E731
+    dh0 = None
+    if problem.has_initial_state:
+        dh0 = zeros(*problem.state_shape) if dht is None else dht.float().clone()
+    per_head = lambda flag: zeros(HV) if flag else None  # noqa: E731
+    return GDNGrads(dq=zeros(B, T, problem.H, problem.K, dtype=problem.dtype),
+                    dk=zeros(B, T, problem.H, problem.K, dtype=problem.dtype), dv=zeros(B, T, HV, V, dtype=problem.dtype),
+                    dg=zeros(B, T, HV), dbeta=zeros(B, T, HV), dinitial_state=dh0,
+                    dA_log=per_head(problem.use_gate_in_kernel), ddt_bias=per_head(problem.has_dt_bias))
+
+
 def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
     """Gradients w.r.t. the user's inputs (in their dtypes) for the output gradient do [B, T, HV, V] and the
     final-state gradient dht (None: zero)."""
+    if saved is None:
+        return no_chunk_grads(problem, do, dht)
     s = saved
     B, T = do.shape[:2]
     total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
