@@ -242,14 +242,19 @@ def test_gate_in_kernel_with_raw_plus_inf_resets(form):
 
 @pytest.mark.parametrize("form", TRAINABLE)
 def test_gate_in_kernel_with_raw_plus_inf_gradients(form):
-    """Every gradient the recurrence's autograd gives finite is matched; dA_log is NaN in both (softplus(+inf)
-    times a zero gradient), which docs/semantics.md states."""
+    """Every gradient the recurrence's autograd gives finite is matched; dA_log as docs/semantics.md states."""
     grads, g_ref = gradients_of(form, gate_in_kernel_call(seed=6), seed=7)
     finite = [n for n in g_ref if torch.isfinite(g_ref[n]).all()]
     assert set(finite) >= {"q", "k", "v", "g", "beta", "initial_state", "dt_bias"}
     for n in finite:
         close(grads[n], g_ref[n], gradient_tolerance(form))
-    assert torch.isnan(grads["A_log"]).any() and torch.isnan(g_ref["A_log"]).any()
+    # the recurrence's autograd gives NaN (softplus(+inf) times a zero gradient), as does the reference's; the
+    # kernels' hand-written backward keeps a zero gradient zero: the decay there, exp(-inf) = 0, ignores A_log
+    assert torch.isnan(g_ref["A_log"]).any()
+    if form == "reference-chunk":
+        assert torch.isnan(grads["A_log"]).any()
+    else:
+        assert torch.isfinite(grads["A_log"]).all()
 
 
 # ---- NaN and Inf stay causal -----------------------------------------------------------------------------------
