@@ -391,7 +391,8 @@ def test_each_kind_of_result_is_files_in_the_gpu_models_folder(tmp_path, monkeyp
 
 def test_committed_results_are_one_folder_per_gpu_model():
     """benchmarks/results holds a folder per GPU model and only result files in it: a kind's latest.json,
-    details.json, results.md and speedup.png, and the tables derived from them."""
+    details.json, results.md and speedup.png, and the tables derived from them (a folder with no bench rows yet
+    holds its reliability records alone)."""
     if not cli.RESULTS_DIR.is_dir():
         pytest.skip("an installed copy without the repository's results")
     folders = [p for p in cli.RESULTS_DIR.iterdir() if p.name != "cpu"]
@@ -399,7 +400,9 @@ def test_committed_results_are_one_folder_per_gpu_model():
     for folder in folders:
         for p in folder.iterdir():
             assert p.is_file() and p.suffix in (".json", ".md", ".png", ".log"), p
-        assert {"latest.json", "details.json", "results.md", "speedup.png"} <= {p.name for p in folder.iterdir()}
+        names = {p.name for p in folder.iterdir()}
+        if any(name.endswith(".json") for name in names):
+            assert {"latest.json", "details.json", "results.md", "speedup.png"} <= names
 
 
 def test_first_call_table_takes_the_newest_run():
