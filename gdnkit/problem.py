@@ -161,7 +161,7 @@ def _head_first_hint(q: torch.Tensor, v: torch.Tensor, *gates: torch.Tensor) -> 
     if v.dim() != 4:
         return None
     B, H, T, HV = q.shape[0], q.shape[1], q.shape[2], v.shape[1]
-    if not (v.shape[0] == B and v.shape[2] == T and H < T and HV % H == 0):
+    if not (v.shape[0] == B and v.shape[2] == T and 0 < H < T and HV % H == 0):
         return None
     if any(tuple(x.shape) not in ((B, T, HV), (B, HV, T)) for x in gates):
         return None

@@ -279,7 +279,7 @@ def _mutations(case):
     elif call.get("initial_state") is not None:
         h0 = call["initial_state"]
         out.append(("initial_state", lambda c: c.update(initial_state=torch.cat([h0, h0])), ValueError))
-        out.append(("initial_state", lambda c: c.update(initial_state=h0.half()), TypeError))
+        out.append(("initial_state", lambda c: c.update(initial_state=h0.to(torch.int32)), TypeError))
     return out
 
 

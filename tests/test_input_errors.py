@@ -87,3 +87,12 @@ def test_positive_gates_on_the_gpu_are_not_read_back():
             warn_positive_gates(problem, x["g"])
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_zero_heads_read_head_first_is_no_crash():
+    """q [1, 0, 1, 1] read head-first has H = 0 heads: the layout hint must not divide by it (found by the fuzz);
+    the call is refused naming v's shape."""
+    x = torch.zeros(1, 0, 1, 1, dtype=torch.float64)
+    gates = torch.zeros(1, 0, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="v must have shape"):
+        gdnkit.chunk_gated_delta_rule(x, x, torch.ones(1, 1, 1, 1, dtype=torch.float64), gates, gates)
