@@ -64,8 +64,8 @@ def reference_forward(problem: Problem, inputs: GDNInputs,
         # tokens past cu_seqlens[-1] belong to no sequence and may hold anything: zeroed by where (not a multiply)
         # before the options, so neither their outputs nor the gradients (dA_log / ddt_bias sum over every
         # token) see them
-        end = seq_bounds(inputs.cu_seqlens)[-1][1]
-        live = (torch.arange(problem.T, device=inputs.q.device) < end)[None, :, None]
+        bounds = seq_bounds(inputs.cu_seqlens)
+        live = (torch.arange(problem.T, device=inputs.q.device) < bounds[-1][1])[None, :, None]
         inputs = inputs._replace(**{name: torch.where(live if x.dim() == 3 else live[..., None], x, 0)
                                     for name, x in zip(("q", "k", "v", "g", "beta"), inputs[:5])})
     q, k, v, g, beta = apply_options(problem, inputs)
@@ -76,7 +76,6 @@ def reference_forward(problem: Problem, inputs: GDNInputs,
             h0 = h0.transpose(-1, -2)
 
     if problem.varlen:
-        bounds = seq_bounds(inputs.cu_seqlens)
         longest = max((e - s for s, e in bounds), default=0)
         pad_to = -(-longest // CHUNK) * CHUNK
         q, k, v, g, beta = (_pack(x, bounds, pad_to) for x in (q, k, v, g, beta))
