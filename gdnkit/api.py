@@ -14,6 +14,7 @@ import inspect
 import torch
 
 from gdnkit import autograd, dispatch, seqlayout
+from gdnkit.dynamo_boundary import compile_ops, outside_dynamo
 from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs, warn_positive_gates
 
 _ARGS_DOC = """
@@ -105,8 +106,8 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
 # (cu_seqlens reads, cached layouts, TileLang launches) are not traceable. Under torch.compile the public
 # functions call the gdnkit:: custom ops instead (gdnkit.integrations.torch_compile), whose kernels run _prepare
 # and the chosen backend as this does; only a serving call (in-place pool writes) still reaches here as a graph
-# break.
-@torch.compiler.disable
+# break. (outside_dynamo: opaque to Dynamo without importing it for callers who never compile.)
+@outside_dynamo
 def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
     chosen, problem, inputs = _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                                        **options)
@@ -164,7 +165,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state_v_first = _fla_hints(state_v_first, cu_seqlens,
                                    dict(hints, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context))
     if torch.compiler.is_compiling() and ssm_state_indices is None:
-        return torch_compile.call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
+        return compile_ops().call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
     return _call(CHUNK_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
@@ -248,7 +249,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     if g is None or beta is None:
         g, beta = _fla_defaults(q, v, g, beta, use_gate_in_kernel, use_beta_sigmoid_in_kernel)
     if torch.compiler.is_compiling() and ssm_state_indices is None:
-        return torch_compile.call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state,
+        return compile_ops().call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state,
                                   backend, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                   use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens)
     return _call(RECURRENT_MODE, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
@@ -317,6 +318,3 @@ def available_backends() -> list[str]:
     machine = dispatch.machine()
     return [b.name for b in dispatch.backends() if not b.unavailable_reasons(machine)]
 
-
-# The custom ops call _call; imported last because they reach it through this module.
-from gdnkit.integrations import torch_compile  # noqa: E402

@@ -31,6 +31,7 @@ import sys
 import torch
 
 from gdnkit import api, seqlayout
+from gdnkit.dynamo_boundary import outside_dynamo
 from gdnkit.problem import CHUNK_MODE, _check_cu_seqlens, validate_inputs
 
 # The single-process call's keyword options (its signature after output_final_state), taken as they are.
@@ -40,7 +41,7 @@ OPTIONS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias", 
 
 # Opaque to torch.compile, as the single-process call is: Dynamo cannot trace the host-side planning or keep it
 # correct across calls.
-@torch.compiler.disable
+@outside_dynamo
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, *, cu_seqlens: torch.Tensor | None = None,
