@@ -10,6 +10,7 @@ GPU (`-m gpu`, an sm90 device): forward() against the reference backend's chunke
 import dataclasses
 import functools
 import inspect
+import os
 import re
 import shutil
 import subprocess
@@ -1255,10 +1256,18 @@ def _recorded(calls: list, name: str, factory):
     return record
 
 
+def _stand_in(monkeypatch, factory, stand_in) -> None:
+    """stand_in compiles in the factory's place (kernel_build.kernel_factory's `uncached`), so the factory's
+    caching and dry-run recording stay; the markers of its "builds" go to a scratch cache directory."""
+    import tempfile
+    monkeypatch.setenv("TILELANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gdnkit-stand-in-kernels"))
+    monkeypatch.setattr(factory, "uncached", stand_in)
+
+
 def _stand_in_forward_kernels(monkeypatch, fwd, calls: list) -> None:
-    monkeypatch.setattr(fwd, "intra_chunk_kernel", _recorded(calls, "intra_chunk_kernel",
+    _stand_in(monkeypatch, fwd.intra_chunk_kernel, _recorded(calls, "intra_chunk_kernel",
                                                              lambda H, HV, dt, emit_t=False, emit_bound=False: _intra_stand_in))
-    monkeypatch.setattr(fwd, "state_output_kernel", _recorded(
+    _stand_in(monkeypatch, fwd.state_output_kernel, _recorded(
         calls, "state_output_kernel",
         lambda H, HV, dt, has_h0, store_ht, bv, store_states=False, emit_output=True, chained=False, store_x=False,
         per_sm=1: _state_stand_in(has_h0, store_ht, store_states, emit_output, chained, store_x)))
@@ -1324,17 +1333,16 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, **kw: walks.append(
         (real_walks(*a, reverse=reverse, **kw).tolist(), reverse)) or real_walks(*a, reverse=reverse, **kw))
     calls = []
-    for module in (fwd, bwd):
-        monkeypatch.setattr(module, "propagator_kernel", _recorded(calls, "propagator_kernel",
-                                                                   lambda H, HV, dt: _propagator_stand_in))
+    _stand_in(monkeypatch, fwd.propagator_kernel, _recorded(calls, "propagator_kernel",
+                                                           lambda H, HV, dt: _propagator_stand_in))
     _stand_in_forward_kernels(monkeypatch, fwd, calls)
-    monkeypatch.setattr(bwd, "backward_state_kernel", _recorded(
+    _stand_in(monkeypatch, bwd.backward_state_kernel, _recorded(
         calls, "backward_state_kernel",
         lambda H, HV, dt, has_dht, store_dh0, bv, chained=False, ds_only=False:
         _backward_state_stand_in(has_dht, store_dh0, chained, ds_only)))
-    monkeypatch.setattr(bwd, "chunk_grads_kernel", _recorded(calls, "chunk_grads_kernel",
+    _stand_in(monkeypatch, bwd.chunk_grads_kernel, _recorded(calls, "chunk_grads_kernel",
                                                              lambda H, HV, dt, grads_dt: _grads_in(grads_dt)))
-    monkeypatch.setattr(bwd, "backward_fused_kernel", _recorded(
+    _stand_in(monkeypatch, bwd.backward_fused_kernel, _recorded(
         calls, "backward_fused_kernel",
         lambda H, HV, dt, has_dinit, store_dh0: _backward_fused_stand_in(has_dinit, store_dh0)))
     # the fused path's dq / dk per value head are written into S0's buffer (recomputed, not the forward's)
@@ -1373,11 +1381,19 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     problem, inputs = validate_inputs(CHUNK_MODE, **leaves, output_final_state=True, cu_seqlens=cu,
                                       **{n: x for n, x in opts.items() if n not in ("A_log", "dt_bias")})
     assert problem.needs_grad
+    # what a first call builds before it runs (kernel_build's dry run): compiling and launching nothing
+    from gdnkit.backends.tilelang_sm90 import _every_launch, kernel_build
+    dry = {(job.factory, job.args) for job in kernel_build.recorded_jobs(lambda: _every_launch(problem, inputs))}
+    assert dry and calls == []
+    for record in (flags, walks, s0_buffers, sums_in_s0, l2norm_passes):   # the assertions below are the call's
+        record.clear()
     o, ht, saved = BACKEND.chunk_forward(problem, inputs)
     # S0 per chunk: by default the backward runs the forward's state pass again; the same bits as keeping them
     assert saved.hs is None
+    before_kept = len(calls)
     with config.configured(keep_states=True):
         kept = BACKEND.chunk_forward(problem, inputs)[2].hs
+    after_kept = len(calls)
     assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
     from gdnkit.backends.tilelang_sm90 import warmup_bound
@@ -1388,6 +1404,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
         # nowhere (a forward that leaves them to its backward takes them itself): the backward follows its plan
         saved.plan = dataclasses.replace(saved.plan, fused_segment_chunks=2)
     grads = BACKEND.chunk_backward(problem, saved, do, dht)
+    if not (fused and segments and not wide):   # (not the plan just forced above, which the rules never give)
+        launched = set(calls[:before_kept] + calls[after_kept:])
+        assert launched <= dry, launched - dry   # the dry run asked for every kernel the step launched
     assert sums_in_s0 == ([True] if fused else []), sums_in_s0
     # the fused path's gated route reads its flags' sums from the training forward's per-row bounds where its
     # intra kernel wrote them (the wide route's), else it sums the window's tokens

@@ -78,17 +78,36 @@ class TileLangSM90Backend(Backend):
 
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
         from .forward import forward
-        return forward(problem, inputs)
+        from .kernel_build import first_call
+        return first_call(lambda: forward(problem, inputs), lambda: _every_launch(problem, inputs), _what(problem))
 
     def chunk_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
         from .backward import backward
-        return backward(problem, saved, do, dht)
+        from .kernel_build import first_call
+        return first_call(lambda: backward(problem, saved, do, dht), lambda: backward(problem, saved, do, dht),
+                          _what(problem))
 
     def recurrent_forward(self, problem: Problem, inputs: GDNInputs):
         raise NotImplementedError("tilelang_sm90 has no recurrent form; supports() declines it")
 
     def recurrent_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
         raise NotImplementedError("tilelang_sm90 has no recurrent form; supports() declines it")
+
+
+def _every_launch(problem: Problem, inputs: GDNInputs) -> None:
+    """The call's launches (kernel_build's dry run): the forward, and where the call trains, the backward it will
+    run, with and without a final-state gradient, so one build serves the whole step."""
+    from .backward import backward
+    from .forward import forward
+    o, ht, saved = forward(problem, inputs)
+    if saved is not None:
+        for dht in (None,) if ht is None else (None, torch.empty_like(ht)):
+            backward(problem, saved, torch.empty_like(o), dht)
+
+
+def _what(problem: Problem) -> str:
+    dtype = str(problem.dtype).removeprefix("torch.")
+    return f"H={problem.H}, HV={problem.HV}, {dtype}{', training' if problem.needs_grad else ''}"
 
 
 BACKEND = register(TileLangSM90Backend())

@@ -38,6 +38,7 @@ from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, warmup
 from .group_sum import chunk_group_sums
+from .kernel_build import kernel_factory
 from .forward import TARGET, TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
@@ -65,7 +66,7 @@ def _jit():
             jit(backward_fused, backward_fused.backward_fused_program))
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
                           chained: bool = False, ds_only: bool = False):
     """The reverse pass: backward_state.py at 32 / 64 columns; at 128 backward_state_wide.py, with the same
@@ -76,12 +77,12 @@ def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0:
                      chained=chained, ds_only=ds_only)
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
     return _jit()[1](H, HV, dtype, grads_dtype=grads_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def backward_fused_kernel(H: int, HV: int, dtype: str, has_dinit: bool, store_dh0: bool):
     return _jit()[3](H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
 

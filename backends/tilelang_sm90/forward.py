@@ -36,6 +36,7 @@ from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
 from . import config, context_parallel, plan as planner, warmup
+from .kernel_build import kernel_factory
 from .plan import WS_BLOCK_V, Plan
 
 CHUNK = 64
@@ -146,7 +147,7 @@ def _jit():
             jit(state_output_wide, state_output_wide.state_output_wide_program))
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False, emit_bound: bool = False):
     """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
     return _jit()[0](H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
@@ -163,7 +164,7 @@ def _pipelined(block_v: int, store_states: bool) -> bool:
     return block_v not in WS_BLOCK_V and store_states
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, store_final_state: bool,
                         block_v: int, store_states: bool = False, emit_output: bool = True, chained: bool = False,
                         store_x: bool = False, per_sm: int = 1):
@@ -189,7 +190,7 @@ def recompute_per_sm(block_v: int, store_x: bool, cfg: config.Config | None = No
     return planner.recompute_per_sm(block_v, store_x, cfg or config.current())
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def propagator_kernel(H: int, HV: int, dtype: str):
     """Context parallelism's segment transitions [E | P], in 64-wide column tiles."""
     return _jit()[3](H, HV, dtype, block_v=64)

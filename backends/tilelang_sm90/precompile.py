@@ -1,30 +1,21 @@
 """Build the sm90 kernel family of a head configuration ahead of its first call, in parallel processes.
 
 Every kernel is specialised on (H, HV, dtype) and a few flags, and compiles in 2-40 s (chunk_grads the
-longest); a first training call at a new head configuration builds ~20 of them one after another (150-190 s
-on the H200's host). TileLang keeps what it builds in its on-disk cache (TILELANG_CACHE_DIR), keyed
+longest); a first training call at a new head configuration needs ~15 of them, which kernel_build.py builds in
+parallel at the call; this builds a whole family ahead of time. TileLang keeps what it builds in its on-disk cache (TILELANG_CACHE_DIR), keyed
 on the kernel alone, not on the machine: so the family can be built here with nothing but nvcc, one kernel
 per process, on a machine without a GPU too, and the cache directory copied to where the GPU is.
 
 `family` lists every kernel the forward and backward can ask for (forward.py and backward.py's factories
-with the values their arguments take there); `build` runs one per process.
+with the values their arguments take there); `build` runs them in worker processes (kernel_build.py, which also
+builds, at a call, exactly the kernels that call needs and no process has built yet).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
-import multiprocessing
-import time
-from typing import NamedTuple
 
-
-class Job(NamedTuple):
-    module: str      # "forward" or "backward" (this package's modules)
-    factory: str     # the lru-cached factory function there
-    args: tuple
-
-    def __str__(self) -> str:
-        return f"{self.factory}{self.args}"
+from . import kernel_build
+from .kernel_build import Job
 
 
 BACKWARDS = ("both", "staged", "fused")
@@ -78,28 +69,8 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     return jobs
 
 
-def _build_one(job: Job) -> tuple[Job, float, str | None]:
-    """In a worker process: call the factory (it compiles, or loads from the disk cache)."""
-    import importlib
-
-    start = time.monotonic()
-    try:
-        module = importlib.import_module(f"{__package__}.{job.module}")
-        getattr(module, job.factory)(*job.args)
-    except Exception as exc:  # reported per kernel; the others still build
-        return job, time.monotonic() - start, f"{type(exc).__name__}: {exc}"
-    return job, time.monotonic() - start, None
-
-
 def build(jobs: list[Job], workers: int, report=print) -> list[tuple[Job, float, str | None]]:
-    """Builds every job in `workers` spawned processes (the longest first); returns (job, seconds, error)."""
-    slowest = ("chunk_grads_kernel", "backward_fused_kernel")
-    order = sorted(jobs, key=lambda j: j.factory not in slowest)   # the slowest compiles first
-    results = []
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool:
-        for future in concurrent.futures.as_completed([pool.submit(_build_one, j) for j in order]):
-            job, seconds, error = future.result()
-            report(f"  {job}: {seconds:.0f} s" + (f"  FAILED {error[:300]}" if error else ""))
-            results.append((job, seconds, error))
-    return results
+    """Builds every job in `workers` processes (kernel_build.build: the slowest first); returns (job, seconds,
+    error) per job, printing each as it ends."""
+    return kernel_build.build(jobs, workers, lambda job, seconds, error: report(
+        f"  {job}: {seconds:.0f} s" + (f"  FAILED {error[:300]}" if error else "")))

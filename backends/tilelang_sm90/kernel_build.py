@@ -1,0 +1,320 @@
+"""Building the TileLang kernels a call needs, all at once in parallel processes, the first time it needs them.
+
+Each kernel is specialised on (H, HV, dtype) and a few flags and compiles in 2-40 s; a first training call at a
+new head configuration needs ~15 of them, which one process used to compile one after another (minutes). Here:
+
+- Every factory of forward.py / backward.py is a `kernel_factory`: it caches its kernel in the process, and once
+  a kernel is compiled (here or in any process) leaves a marker beside TileLang's disk cache (TILELANG_CACHE_DIR),
+  so a later process knows the kernel loads from disk instead of compiling.
+- `first_call` runs a call with factories that raise NotBuilt instead of compiling a kernel that has no marker.
+  When one does, it runs the call again "dry": TileLang launches are no-ops and every factory only records what it
+  was asked for (the Triton and PyTorch work around them still runs, on real inputs and scratch buffers whose
+  values only ever feed values, never addresses). A training forward's dry run takes its backward too (with and
+  without a final-state gradient), so one build serves the whole step. It then builds exactly the recorded kernels
+  without a marker, in worker processes (all cores by default; GDNKIT_BUILD_WORKERS), the slowest first, one
+  progress line on stderr, and runs the call for real: its kernels load from the disk cache.
+- Every compile holds a file lock on its kernel's marker: two threads or processes that want the same kernel
+  build it once; the second finds the marker and loads.
+
+Workers are fresh interpreters (`python -m <this module>`), never forks or spawns of the caller: a spawn would
+re-run the caller's __main__, and a fork would copy its CUDA context. They hide the GPU (compiling needs nvcc,
+not a device). Under CUDA graph capture, or with GDNKIT_BUILD_WORKERS=1, a call compiles what it needs itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class Job(NamedTuple):
+    """One kernel: the factory of this package's `module` and the full positional arguments it was called with."""
+    module: str      # "forward" or "backward"
+    factory: str     # the factory function there
+    args: tuple
+
+    def __str__(self) -> str:
+        return f"{self.factory}{self.args}"
+
+
+class NotBuilt(Exception):
+    """Raised by a factory inside first_call's first attempt: this kernel would compile now."""
+
+
+def _workers_from_environment() -> int:
+    value = os.environ.get("GDNKIT_BUILD_WORKERS", "")
+    if not value:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"GDNKIT_BUILD_WORKERS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+WORKERS = _workers_from_environment()
+# Kernels that compile for tens of seconds: started first, so the build ends soon after the longest.
+SLOWEST = ("chunk_grads_kernel", "backward_fused_kernel")
+
+_STRICT, _RECORD = "strict", "record"
+
+
+class _Mode(threading.local):
+    mode: str | None = None        # None: compile what is asked; _STRICT: raise NotBuilt instead; _RECORD: record
+    recorded: dict | None = None   # the jobs a dry run asked for, in order
+
+
+_mode = _Mode()
+_loaded: set[Job] = set()             # kernels this process holds (compiled or loaded from disk)
+_build_lock = threading.Lock()        # one parallel build at a time in a process (threads wait, then find markers)
+
+
+def _no_launch(*args, **kwargs) -> None:
+    """What a factory returns during a dry run: the call's launch does nothing."""
+
+
+def kernel_factory(fn: Callable) -> Callable:
+    """fn(*args) -> kernel, cached per arguments, recorded in dry runs and built under its marker's lock."""
+    module = fn.__module__.rsplit(".", 1)[-1]
+    signature = inspect.signature(fn)
+    kernels: dict = {}
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        key = (args, tuple(kwargs.items()))
+        built_by, kernel = kernels.get(key, (None, None))
+        if built_by is not factory.uncached:   # a stand-in put in its place (tests), or back: not this kernel
+            kernel = None
+        elif _mode.mode is None:                # every launch after the first: one dict lookup
+            return kernel
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        job = Job(module, fn.__name__, tuple(bound.arguments.values()))
+        if _mode.mode == _RECORD:
+            _mode.recorded[job] = None
+            return _no_launch
+        if kernel is None:
+            if _mode.mode == _STRICT and job not in _loaded and not is_built(job):
+                raise NotBuilt(str(job))
+            build = factory.uncached
+            with _marker_lock(job):
+                kernel = build(*job.args)
+                _mark_built(job)
+            kernels[key] = (build, kernel)
+            _loaded.add(job)
+        return kernel
+
+    def cache_clear() -> None:
+        for job in [j for j in _loaded if j.module == module and j.factory == fn.__name__]:
+            _loaded.discard(job)
+        kernels.clear()
+
+    factory.uncached = fn            # what compiles (tests put stand-ins here, under the caching and recording)
+    factory.cache_clear = cache_clear
+    return factory
+
+
+# ---- markers: which kernels TileLang's disk cache holds ----
+
+def cache_dir() -> Path:
+    """TileLang's disk cache (tilelang.env's rule, read without importing tilelang)."""
+    return Path(os.environ.get("TILELANG_CACHE_DIR") or Path.home() / ".tilelang" / "cache")
+
+
+@functools.lru_cache(maxsize=None)
+def _build_identity() -> str:
+    """What else a compiled kernel depends on: this package's kernel sources and the TileLang version."""
+    from importlib import metadata
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    try:
+        digest.update(metadata.version("tilelang").encode())
+    except metadata.PackageNotFoundError:
+        pass
+    return digest.hexdigest()
+
+
+def _marker(job: Job) -> Path:
+    key = hashlib.sha256(f"{job}|{_build_identity()}".encode()).hexdigest()[:40]
+    return cache_dir() / "gdnkit-built" / key
+
+
+def is_built(job: Job) -> bool:
+    """Whether some process compiled this kernel into the disk cache (TileLang's cache switched off: never)."""
+    return os.environ.get("TILELANG_DISABLE_CACHE", "0") in ("0", "") and _marker(job).exists()
+
+
+def _mark_built(job: Job) -> None:
+    marker = _marker(job)
+    with contextlib.suppress(OSError):   # a read-only cache: the kernel still runs, later processes compile again
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(job) + "\n")
+
+
+@contextlib.contextmanager
+def _marker_lock(job: Job):
+    """An exclusive lock on the kernel's marker file, across threads and processes (no lock where none can be
+    taken: a read-only cache, or no fcntl)."""
+    try:
+        import fcntl
+        path = _marker(job).with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---- the first call ----
+
+def first_call(call: Callable, dry_run: Callable[[], None], what: str):
+    """call(), with the kernels it needs that no process has built built first, in parallel (module doc). dry_run
+    makes every launch the call can make (for a training forward, its backward's too)."""
+    if WORKERS < 2 or _mode.mode is not None or _capturing():
+        return call()
+    _mode.mode = _STRICT
+    try:
+        return call()
+    except NotBuilt:
+        pass
+    finally:
+        _mode.mode = None
+    build_missing(recorded_jobs(dry_run), what)
+    return call()
+
+
+def _capturing() -> bool:
+    """A CUDA graph capture is under way (nothing may compile off the stream's order, nor read back)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def recorded_jobs(dry_run: Callable[[], None]) -> list[Job]:
+    """The kernels dry_run's factories ask for, none compiled and nothing launched by TileLang. A dry run that
+    fails part-way (its scratch values are not real) still yields what it asked for until then; the call itself
+    compiles anything it missed."""
+    _mode.mode, _mode.recorded = _RECORD, {}
+    try:
+        dry_run()
+    except Exception:  # noqa: BLE001 - the call proper reports any real error
+        pass
+    finally:
+        jobs = list(_mode.recorded)
+        _mode.mode, _mode.recorded = None, None
+    return jobs
+
+
+def build_missing(jobs: list[Job], what: str) -> None:
+    with _build_lock:
+        missing = [j for j in jobs if j not in _loaded and not is_built(j)]
+        if missing:
+            build(missing, WORKERS, _Progress(what, len(missing)))
+
+
+class _Progress:
+    """One line on stderr, rewritten in place on a terminal; elsewhere a line at most every 10 s, and the last."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done, self.failed = what, total, 0, 0
+        self.start = self.shown = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._show(force=True)
+
+    def __call__(self, job: Job, seconds: float, error: str | None) -> None:
+        self.done += 1
+        self.failed += error is not None
+        self._show(force=self.done == self.total)
+        if error:
+            print(f"gdnkit: building {job} failed ({error[:300]}); the call compiles it itself", file=sys.stderr)
+
+    def _show(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not (self.tty or force or now - self.shown >= 10):
+            return
+        self.shown = now
+        line = (f"gdnkit: building {self.total} TileLang kernels for {self.what}: {self.done}/{self.total} "
+                f"in {now - self.start:.0f} s")
+        end = "\n" if not self.tty or self.done == self.total else ""
+        print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def build(jobs: list[Job], workers: int, report: Callable[[Job, float, str | None], None] = lambda *r: None
+          ) -> list[tuple[Job, float, str | None]]:
+    """Compiles every job in up to `workers` worker processes, the slowest first, each worker taking the next
+    job when it finishes one; report(job, seconds, error) as each ends. Returns (job, seconds, error) per job."""
+    todo: queue.Queue = queue.Queue()
+    for job in sorted(jobs, key=lambda j: j.factory not in SLOWEST):
+        todo.put(job)
+    results: list[tuple[Job, float, str | None]] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+        process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+        try:
+            while True:
+                try:
+                    job = todo.get_nowait()
+                except queue.Empty:
+                    break
+                start = time.monotonic()
+                process.stdin.write(json.dumps([job.module, job.factory, list(job.args)]) + "\n")
+                process.stdin.flush()
+                reply = process.stdout.readline()
+                error = json.loads(reply)["error"] if reply else "the build process ended"
+                with lock:
+                    results.append((job, time.monotonic() - start, error))
+                    report(job, time.monotonic() - start, error)
+                if not reply:
+                    break
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                process.stdin.close()
+            process.wait()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(workers, len(jobs))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _serve() -> None:
+    """A worker: one JSON job per line on stdin ([module, factory, args]), one reply per line on stdout."""
+    package = __spec__.parent
+    # replies go to the real stdout; anything a compiler prints goes to stderr, which the parent discards
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        module, factory, args = json.loads(line)
+        try:
+            getattr(importlib.import_module(f"{package}.{module}"), factory)(*args)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which compiles it itself
+            error = f"{type(exc).__name__}: {exc}"
+        replies.write(json.dumps({"error": error}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    _serve()
