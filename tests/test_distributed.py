@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,6 +232,32 @@ def _check_bad_inputs(world, rank):
     assert o.shape == (1, hi - lo, HV, V)
 
 
+def _check_half_initial_state(world, rank):
+    """A bfloat16 / float16 initial_state is taken as float32, as the single-process call takes it: the results of
+    its float32 value, and its gradient in its own dtype, whose all-reduced parts make the whole batch's."""
+    x, offsets, bounds = _case(11, world)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    names = ("q", "k", "v", "g", "beta")
+    shard = [x[n][:, lo:hi].float() for n in names]
+    for half in (torch.bfloat16, torch.float16):
+        h0 = x["h0"].to(half).requires_grad_()
+        o, ht = gdnkit.distributed.chunk_gated_delta_rule(*shard, initial_state=h0, output_final_state=True,
+                                                          cu_seqlens=cu)
+        o32, ht32 = gdnkit.distributed.chunk_gated_delta_rule(*shard, initial_state=h0.detach().float(),
+                                                              output_final_state=True, cu_seqlens=cu)
+        assert ht.dtype == torch.float32 and torch.equal(o, o32) and torch.equal(ht, ht32), half
+        ((o.double() * x["w_o"][:, lo:hi]).sum() + (ht.double() * x["w_h"][rank]).sum()).backward()
+        assert h0.grad.dtype == half
+        d_h0 = h0.grad.float()
+        dist.all_reduce(d_h0)
+        h0_1 = x["h0"].to(half).requires_grad_()
+        o1, ht1 = gdnkit.chunk_gated_delta_rule(*(x[n].float() for n in names), initial_state=h0_1,
+                                                output_final_state=True, cu_seqlens=cu)
+        ((o1.double() * x["w_o"]).sum() + (ht1.double() * sum(x["w_h"][:world])).sum()).backward()
+        assert _rel(d_h0, h0_1.grad) < 1e-2, (half, _rel(d_h0, h0_1.grad))  # per-rank parts rounded to 16 bits
+
+
 def _check_subgroup(world, rank):
     """A group of ranks 1..P-1 of the world: shards and ranks are the group's."""
     members = list(range(1, world))
@@ -278,10 +308,24 @@ def test_matches_one_process(world):
     checks = _case_checks(seeds=[world * 10, world * 10 + 1], options_seed=world * 10 + 2)
     checks += [("_check_inference_and_repeat", ()), ("_check_no_h0_no_cu", ())]
     if world == 2:
-        checks += [("_check_bad_inputs", ()), ("_check_group_of_one", ())]
+        checks += [("_check_bad_inputs", ()), ("_check_group_of_one", ()), ("_check_half_initial_state", ())]
     if world == 4:
         checks += [("_check_subgroup", ())]
     _spawn(world, checks)
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+
+
+def test_the_example_runs():
+    """examples/context_parallel.py runs as written: two processes, each within its bound of the single-process
+    call (the script asserts it too)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    found = re.findall(r"rank (\d) of 2 \((\w+)\): max error against one process (\S+)", out.stdout)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], out.stdout
+    assert all(float(err) < (1e-2 if backend == "nccl" else 1e-4) for _, backend, err in found), out.stdout
 
 
 def test_needs_an_initialised_process_group():
