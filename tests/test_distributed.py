@@ -414,14 +414,19 @@ def _spawn_gpu(world, backend, same_device, checks):
 
 
 def _check_world_of_one(world, rank, device):
-    """NCCL with one process: the single-process call, the same bits."""
+    """NCCL with one process: the single-process call, the same bits, gradients included."""
     x, offsets, _ = _gpu_case(50, 1, torch.device(device))
-    args = [x[n].to(torch.bfloat16) if x[n].dim() == 4 else x[n].float() for n in ("q", "k", "v", "g", "beta")]
     cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-    h0 = x["h0"].float()
-    o, ht = gdnkit.distributed.chunk_gated_delta_rule(*args, None, h0, True, cu_seqlens=cu)
-    o1, ht1 = gdnkit.chunk_gated_delta_rule(*args, None, h0, True, cu_seqlens=cu)
-    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+    grads = []
+    for fn in (gdnkit.distributed.chunk_gated_delta_rule, gdnkit.chunk_gated_delta_rule):
+        args = [(x[n].to(torch.bfloat16) if x[n].dim() == 4 else x[n].float()).requires_grad_()
+                for n in ("q", "k", "v", "g", "beta")]
+        h0 = x["h0"].float().requires_grad_()
+        o, ht = fn(*args, None, h0, True, cu_seqlens=cu)
+        ((o.double() * x["w_o"]).sum() + (ht.double() * x["w_h"][0]).sum()).backward()
+        grads.append([o, ht, *(t.grad for t in args), h0.grad])
+    for name, got, want in zip(("o", "final states", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *grads):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.gpu
@@ -431,14 +436,18 @@ def test_gpu_nccl_world_of_one():
 
 @pytest.mark.gpu
 def test_gpu_gloo_with_cuda_tensors():
-    """Two processes on one GPU over gloo, CUDA tensors: the whole distributed path on the GPU's backends."""
+    """Two processes on one GPU over gloo, CUDA tensors: the whole distributed path on the GPU's backends. Gloo takes
+    CUDA tensors in every collective the call uses (all_gather and all_reduce: it copies them through pinned host
+    memory), so the call does not stage them itself."""
     _spawn_gpu(2, "gloo", True, [("_check_gpu_case", (torch.bfloat16,)), ("_check_gpu_case", (torch.float32,))])
 
 
+# Deselected by default (pyproject's addopts): `-m multi_gpu` (or `-m gpu`) runs them where the GPUs are.
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
-def test_multi_gpu_nccl():
-    """One process per GPU over NCCL (up to 4)."""
-    world = min(torch.cuda.device_count(), 4)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_multi_gpu_nccl(world):
+    """One process per GPU over NCCL."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     _spawn_gpu(world, "nccl", False, [("_check_gpu_case", (torch.bfloat16,)), ("_check_gpu_case", (torch.float32,))])
