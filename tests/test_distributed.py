@@ -201,6 +201,11 @@ def _check_bad_inputs(world, rank):
     # one rank's offsets differ (same total)
     other = torch.tensor([0, 1] + offsets[2:], dtype=torch.int32) if rank == 0 else cu
     _expect(ValueError, "cu_seqlens must be the same", lambda: call(*args(), cu_seqlens=other))
+    # one rank's offsets cut one more sequence (same total), or it passes none
+    more = torch.tensor(offsets[:2] + [offsets[1] + 1] + offsets[2:], dtype=torch.int32) if rank == 0 else cu
+    _expect(ValueError, "cu_seqlens must be the same", lambda: call(*args(), cu_seqlens=more))
+    _expect(ValueError, "cu_seqlens must be the same",
+            lambda: call(*args(), cu_seqlens=None if rank == world - 1 else cu))
     # one rank's initial_state has the wrong shape: it names it, the others say which rank rejected its inputs
     h0 = x["h0"] if rank != world - 1 else x["h0"][:-1]
     _expect(ValueError, "initial_state" if rank == world - 1 else f"rank\\(s\\) \\[{world - 1}\\]",
