@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +201,11 @@ def _check_bad_inputs(world, rank):
     # one rank's offsets differ (same total)
     other = torch.tensor([0, 1] + offsets[2:], dtype=torch.int32) if rank == 0 else cu
     _expect(ValueError, "cu_seqlens must be the same", lambda: call(*args(), cu_seqlens=other))
+    # one rank's offsets cut one more sequence (same total), or it passes none
+    more = torch.tensor(offsets[:2] + [offsets[1] + 1] + offsets[2:], dtype=torch.int32) if rank == 0 else cu
+    _expect(ValueError, "cu_seqlens must be the same", lambda: call(*args(), cu_seqlens=more))
+    _expect(ValueError, "cu_seqlens must be the same",
+            lambda: call(*args(), cu_seqlens=None if rank == world - 1 else cu))
     # one rank's initial_state has the wrong shape: it names it, the others say which rank rejected its inputs
     h0 = x["h0"] if rank != world - 1 else x["h0"][:-1]
     _expect(ValueError, "initial_state" if rank == world - 1 else f"rank\\(s\\) \\[{world - 1}\\]",
@@ -226,6 +235,32 @@ def _check_bad_inputs(world, rank):
     # the group still works after every rejection
     o, _ = call(*args(), cu_seqlens=cu)
     assert o.shape == (1, hi - lo, HV, V)
+
+
+def _check_half_initial_state(world, rank):
+    """A bfloat16 / float16 initial_state is taken as float32, as the single-process call takes it: the results of
+    its float32 value, and its gradient in its own dtype, whose all-reduced parts make the whole batch's."""
+    x, offsets, bounds = _case(11, world)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    names = ("q", "k", "v", "g", "beta")
+    shard = [x[n][:, lo:hi].float() for n in names]
+    for half in (torch.bfloat16, torch.float16):
+        h0 = x["h0"].to(half).requires_grad_()
+        o, ht = gdnkit.distributed.chunk_gated_delta_rule(*shard, initial_state=h0, output_final_state=True,
+                                                          cu_seqlens=cu)
+        o32, ht32 = gdnkit.distributed.chunk_gated_delta_rule(*shard, initial_state=h0.detach().float(),
+                                                              output_final_state=True, cu_seqlens=cu)
+        assert ht.dtype == torch.float32 and torch.equal(o, o32) and torch.equal(ht, ht32), half
+        ((o.double() * x["w_o"][:, lo:hi]).sum() + (ht.double() * x["w_h"][rank]).sum()).backward()
+        assert h0.grad.dtype == half
+        d_h0 = h0.grad.float()
+        dist.all_reduce(d_h0)
+        h0_1 = x["h0"].to(half).requires_grad_()
+        o1, ht1 = gdnkit.chunk_gated_delta_rule(*(x[n].float() for n in names), initial_state=h0_1,
+                                                output_final_state=True, cu_seqlens=cu)
+        ((o1.double() * x["w_o"]).sum() + (ht1.double() * sum(x["w_h"][:world])).sum()).backward()
+        assert _rel(d_h0, h0_1.grad) < 1e-2, (half, _rel(d_h0, h0_1.grad))  # per-rank parts rounded to 16 bits
 
 
 def _check_subgroup(world, rank):
@@ -278,10 +313,24 @@ def test_matches_one_process(world):
     checks = _case_checks(seeds=[world * 10, world * 10 + 1], options_seed=world * 10 + 2)
     checks += [("_check_inference_and_repeat", ()), ("_check_no_h0_no_cu", ())]
     if world == 2:
-        checks += [("_check_bad_inputs", ()), ("_check_group_of_one", ())]
+        checks += [("_check_bad_inputs", ()), ("_check_group_of_one", ()), ("_check_half_initial_state", ())]
     if world == 4:
         checks += [("_check_subgroup", ())]
     _spawn(world, checks)
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+
+
+def test_the_example_runs():
+    """examples/context_parallel.py runs as written: two processes, each within its bound of the single-process
+    call (the script asserts it too)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    found = re.findall(r"rank (\d) of 2 \((\w+)\): max error against one process (\S+)", out.stdout)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"], out.stdout
+    assert all(float(err) < (1e-2 if backend == "nccl" else 1e-4) for _, backend, err in found), out.stdout
 
 
 def test_needs_an_initialised_process_group():
@@ -370,14 +419,19 @@ def _spawn_gpu(world, backend, same_device, checks):
 
 
 def _check_world_of_one(world, rank, device):
-    """NCCL with one process: the single-process call, the same bits."""
+    """NCCL with one process: the single-process call, the same bits, gradients included."""
     x, offsets, _ = _gpu_case(50, 1, torch.device(device))
-    args = [x[n].to(torch.bfloat16) if x[n].dim() == 4 else x[n].float() for n in ("q", "k", "v", "g", "beta")]
     cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-    h0 = x["h0"].float()
-    o, ht = gdnkit.distributed.chunk_gated_delta_rule(*args, None, h0, True, cu_seqlens=cu)
-    o1, ht1 = gdnkit.chunk_gated_delta_rule(*args, None, h0, True, cu_seqlens=cu)
-    assert torch.equal(o, o1) and torch.equal(ht, ht1)
+    grads = []
+    for fn in (gdnkit.distributed.chunk_gated_delta_rule, gdnkit.chunk_gated_delta_rule):
+        args = [(x[n].to(torch.bfloat16) if x[n].dim() == 4 else x[n].float()).requires_grad_()
+                for n in ("q", "k", "v", "g", "beta")]
+        h0 = x["h0"].float().requires_grad_()
+        o, ht = fn(*args, None, h0, True, cu_seqlens=cu)
+        ((o.double() * x["w_o"]).sum() + (ht.double() * x["w_h"][0]).sum()).backward()
+        grads.append([o, ht, *(t.grad for t in args), h0.grad])
+    for name, got, want in zip(("o", "final states", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *grads):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.gpu
@@ -387,14 +441,18 @@ def test_gpu_nccl_world_of_one():
 
 @pytest.mark.gpu
 def test_gpu_gloo_with_cuda_tensors():
-    """Two processes on one GPU over gloo, CUDA tensors: the whole distributed path on the GPU's backends."""
+    """Two processes on one GPU over gloo, CUDA tensors: the whole distributed path on the GPU's backends. Gloo takes
+    CUDA tensors in every collective the call uses (all_gather and all_reduce: it copies them through pinned host
+    memory), so the call does not stage them itself."""
     _spawn_gpu(2, "gloo", True, [("_check_gpu_case", (torch.bfloat16,)), ("_check_gpu_case", (torch.float32,))])
 
 
+# Deselected by default (pyproject's addopts): `-m multi_gpu` (or `-m gpu`) runs them where the GPUs are.
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
-def test_multi_gpu_nccl():
-    """One process per GPU over NCCL (up to 4)."""
-    world = min(torch.cuda.device_count(), 4)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_multi_gpu_nccl(world):
+    """One process per GPU over NCCL."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     _spawn_gpu(world, "nccl", False, [("_check_gpu_case", (torch.bfloat16,)), ("_check_gpu_case", (torch.float32,))])
