@@ -77,6 +77,9 @@ class _Mode(threading.local):
 
 _mode = _Mode()
 _loaded: set[Job] = set()             # kernels this process holds (compiled or loaded from disk)
+# What this process did: kernels built by worker processes (and their compile seconds, summed), kernels a call
+# compiled itself (no marker: a capture, a single worker, or one a dry run missed) and kernels loaded from disk.
+counts = {"built_by_workers": 0, "worker_seconds": 0.0, "compiled_in_call": 0, "loaded_from_disk": 0}
 _build_lock = threading.Lock()        # one parallel build at a time in a process (threads wait, then find markers)
 
 
@@ -109,6 +112,7 @@ def kernel_factory(fn: Callable) -> Callable:
                 raise NotBuilt(str(job))
             build = factory.uncached
             with _marker_lock(job):
+                counts["loaded_from_disk" if is_built(job) else "compiled_in_call"] += 1
                 kernel = build(*job.args)
                 _mark_built(job)
             kernels[key] = (build, kernel)
@@ -225,7 +229,9 @@ def build_missing(jobs: list[Job], what: str) -> None:
     with _build_lock:
         missing = [j for j in jobs if j not in _loaded and not is_built(j)]
         if missing:
-            build(missing, WORKERS, _Progress(what, len(missing)))
+            for job, seconds, error in build(missing, WORKERS, _Progress(what, len(missing))):
+                counts["built_by_workers"] += error is None
+                counts["worker_seconds"] += seconds
 
 
 class _Progress:

@@ -1,0 +1,105 @@
+"""How long a user waits for the first call at a new head configuration: import, first call, second call.
+
+    python -m gdnkit.benchmarks.first_call OUT_DIR [--heads 16x32] [--tokens 8192] [--workers N ...]
+
+Each measurement runs in a fresh process with empty TileLang and Triton caches (a new machine, or a head
+configuration never run there): import gdnkit, make bf16 inputs of one sequence, then an inference call
+(torch.no_grad forward) or a training step (forward and backward), each followed by a second one. With
+GDNKIT_BUILD_WORKERS=1 the call compiles its kernels one after another (the path before parallel builds); else
+tilelang_sm90's kernel_build builds them in worker processes first. `kernel_build.counts` says what happened:
+kernels built by workers (and their compile seconds summed, which is what one process compiling them in turn
+would spend), and kernels the call compiled itself (0 when the dry run found every kernel).
+
+Writes OUT_DIR/first_call.json and OUT_DIR/first_call.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, sys, time
+start = time.monotonic()
+import torch, torch.nn.functional as F
+import gdnkit
+imported = time.monotonic()
+H, HV, T, training = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "training"
+dev = "cuda"
+gen = torch.Generator(device=dev).manual_seed(0)
+r = lambda *s: torch.randn(*s, device=dev, generator=gen)
+inputs = dict(q=r(1, T, H, 128).bfloat16(), k=F.normalize(r(1, T, H, 128), dim=-1).bfloat16(),
+              v=r(1, T, HV, 128).bfloat16(), g=F.logsigmoid(r(1, T, HV)), beta=torch.rand(1, T, HV, device=dev))
+chosen = gdnkit.explain(**inputs).chosen
+
+def call():
+    if training:
+        leaves = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+        o, _ = gdnkit.chunk_gated_delta_rule(**leaves)
+        o.float().sum().backward()
+    else:
+        with torch.no_grad():
+            gdnkit.chunk_gated_delta_rule(**inputs)
+    torch.cuda.synchronize()
+
+torch.cuda.synchronize()
+t0 = time.monotonic(); call(); t1 = time.monotonic(); call(); t2 = time.monotonic()
+from gdnkit.backends.tilelang_sm90 import kernel_build
+print(json.dumps(dict(backend=chosen, import_s=imported - start, first_s=t1 - t0, second_ms=1e3 * (t2 - t1),
+                      **kernel_build.counts)))
+"""
+
+
+def measure(H: int, HV: int, tokens: int, training: bool, workers: int | None) -> dict:
+    """One fresh process, empty caches; returns its figures (and its stderr's progress lines)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TILELANG_CACHE_DIR=f"{cache}/tilelang", TRITON_CACHE_DIR=f"{cache}/triton")
+        if workers is not None:
+            env["GDNKIT_BUILD_WORKERS"] = str(workers)
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(H), str(HV), str(tokens),
+                              "training" if training else "inference"], capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"the measurement failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row.update(heads=f"{H}/{HV}", tokens=tokens, call="training step" if training else "inference",
+               workers=workers or "all cores", progress=[line for line in out.stderr.splitlines()
+                                                         if line.startswith("gdnkit: building")][-1:])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--heads", default="16x32", help="H x HV pairs, comma-separated")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--workers", default="", help="GDNKIT_BUILD_WORKERS values to measure, comma-separated "
+                                                      "(default: all cores only; 1: compiling in the call)")
+    args = parser.parse_args(argv)
+    import torch
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    rows = []
+    for pair in args.heads.split(","):
+        H, HV = (int(x) for x in pair.lower().split("x"))
+        for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
+            for training in (False, True):
+                rows.append(measure(H, HV, args.tokens, training, workers))
+                print(json.dumps(rows[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "first_call.json").write_text(json.dumps(dict(gpu=gpu, cpus=os.cpu_count(), rows=rows), indent=1))
+    lines = [f"First call at a new head configuration, empty caches ({gpu}, {os.cpu_count()} CPUs)", "",
+             "| heads | tokens | call | build workers | backend | import s | first call s | second ms | "
+             "built by workers | their compile s (summed) | compiled in the call |", "|" + "---|" * 11]
+    lines += [f"| {r['heads']} | {r['tokens']} | {r['call']} | {r['workers']} | {r['backend']} | {r['import_s']:.1f} | "
+              f"{r['first_s']:.1f} | {r['second_ms']:.1f} | {r['built_by_workers']} | {r['worker_seconds']:.0f} | "
+              f"{r['compiled_in_call']} |" for r in rows]
+    (args.out / "first_call.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

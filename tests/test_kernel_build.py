@@ -1,0 +1,171 @@
+"""tilelang_sm90's first-call build (backends/tilelang_sm90/kernel_build.py): a call whose kernels no process has
+built builds exactly those, once, in worker processes, then runs; later calls and processes load them."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gdnkit.backends.tilelang_sm90 import kernel_build
+from gdnkit.backends.tilelang_sm90.kernel_build import Job
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernel_build, "WORKERS", 4)
+    return tmp_path
+
+
+def _factories(compiled: list):
+    """Two factories whose "kernels" add their arguments into a list; `compiled` logs each compile."""
+    @kernel_build.kernel_factory
+    def add_kernel(a: int, b: int = 1):
+        compiled.append(("add_kernel", a, b))
+        return lambda out: out.append(a + b)
+
+    @kernel_build.kernel_factory
+    def mul_kernel(a: int, b: int):
+        compiled.append(("mul_kernel", a, b))
+        return lambda out: out.append(a * b)
+    return add_kernel, mul_kernel
+
+
+def _fake_build(built: list):
+    """kernel_build.build's stand-in: "compiles" in this process, as a worker would, leaving the markers."""
+    def build(jobs, workers, report=lambda *r: None):
+        built.append(list(jobs))
+        for job in jobs:
+            kernel_build._mark_built(job)
+            report(job, 0.5, None)
+        return [(job, 0.5, None) for job in jobs]
+    return build
+
+
+def test_a_first_call_builds_exactly_its_missing_kernels_once(cache, monkeypatch, capsys):
+    compiled, built = [], []
+    add_kernel, mul_kernel = _factories(compiled)
+    monkeypatch.setattr(kernel_build, "build", _fake_build(built))
+    module = add_kernel.__module__.rsplit(".", 1)[-1]
+    kernel_build._mark_built(Job(module, "mul_kernel", (2, 3)))   # another process built this one already
+
+    def call(x):
+        out = []
+        add_kernel(x)(out)
+        mul_kernel(2, 3)(out)
+        if x > 5:
+            add_kernel(x, b=x)(out)
+        return out
+
+    assert kernel_build.first_call(lambda: call(7), lambda: call(7), "H=1, HV=2") == [8, 6, 14]
+    # one build, of the two kernels no process had built (a defaulted argument spelt out), the slowest first
+    assert built == [[Job(module, "add_kernel", (7, 1)), Job(module, "add_kernel", (7, 7))]]
+    # the call then compiled (here: loaded) each kernel once, the dry run none
+    assert sorted(compiled) == [("add_kernel", 7, 1), ("add_kernel", 7, 7), ("mul_kernel", 2, 3)]
+    assert "gdnkit: building 2 TileLang kernels for H=1, HV=2: 2/2" in capsys.readouterr().err
+    # a second call: nothing built, nothing compiled
+    assert kernel_build.first_call(lambda: call(7), lambda: call(7), "H=1, HV=2") == [8, 6, 14]
+    assert len(built) == 1 and len(compiled) == 3
+    # a new process (the factories' caches empty) finds every marker: no build
+    add_kernel.cache_clear()
+    mul_kernel.cache_clear()
+    assert kernel_build.first_call(lambda: call(7), lambda: call(7), "H=1, HV=2") == [8, 6, 14]
+    assert len(built) == 1 and len(compiled) == 6
+
+
+def test_a_dry_run_compiles_and_launches_nothing(cache):
+    compiled = []
+    add_kernel, _ = _factories(compiled)
+    out = []
+    jobs = kernel_build.recorded_jobs(lambda: add_kernel(3)(out))
+    assert [j.args for j in jobs] == [(3, 1)] and out == [] and compiled == []
+
+
+def test_a_dry_run_that_fails_still_yields_what_it_recorded(cache):
+    add_kernel, _ = _factories([])
+
+    def dry():
+        add_kernel(1)
+        raise RuntimeError("scratch values are not real")
+    assert [j.args for j in kernel_build.recorded_jobs(dry)] == [(1, 1)]
+
+
+def test_one_worker_or_a_capture_compiles_in_the_call(cache, monkeypatch):
+    compiled, built = [], []
+    add_kernel, _ = _factories(compiled)
+    monkeypatch.setattr(kernel_build, "build", _fake_build(built))
+    monkeypatch.setattr(kernel_build, "WORKERS", 1)
+    out = []
+    kernel_build.first_call(lambda: add_kernel(4)(out), lambda: add_kernel(4)(out), "x")
+    assert out == [5] and built == [] and compiled == [("add_kernel", 4, 1)]
+
+
+def test_threads_build_a_kernel_once(cache, monkeypatch):
+    compiled, built = [], []
+    add_kernel, _ = _factories(compiled)
+    gate = threading.Barrier(4)
+    monkeypatch.setattr(kernel_build, "build", _fake_build(built))
+
+    def run():
+        gate.wait()
+        out = []
+        kernel_build.first_call(lambda: add_kernel(9)(out), lambda: add_kernel(9)(out), "x")
+        assert out == [10]
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(len(b) for b in built) == 1   # the others waited for the build lock, then found the marker
+
+
+def test_markers_depend_on_the_job_and_the_cache(cache, tmp_path_factory, monkeypatch):
+    a, b = Job("forward", "intra_chunk_kernel", (4, 8, "bfloat16", False, False)), \
+        Job("forward", "intra_chunk_kernel", (4, 8, "bfloat16", True, False))
+    kernel_build._mark_built(a)
+    assert kernel_build.is_built(a) and not kernel_build.is_built(b)
+    monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")   # nothing on disk: nothing to load
+    assert not kernel_build.is_built(a)
+    monkeypatch.delenv("TILELANG_DISABLE_CACHE")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.mktemp("other")))
+    assert not kernel_build.is_built(a)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_build_workers_from_the_environment_are_checked(monkeypatch, value):
+    monkeypatch.setenv("GDNKIT_BUILD_WORKERS", value)
+    with pytest.raises(ValueError, match="GDNKIT_BUILD_WORKERS"):
+        kernel_build._workers_from_environment()
+
+
+@pytest.mark.slow
+def test_workers_compile_real_kernels_that_a_process_then_loads(tmp_path):
+    """Two real TileLang kernels built by two worker processes (nvcc, no GPU): markers left, and a fresh process's
+    factory loads them from the disk cache instead of compiling."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
+    script = """
+import sys
+from gdnkit.backends.tilelang_sm90 import kernel_build as kb
+jobs = [kb.Job("forward", "propagator_kernel", (1, 2, "float16")),
+        kb.Job("forward", "intra_chunk_kernel", (1, 2, "float16", False, False))]
+if sys.argv[1] == "build":
+    results = kb.build(jobs, 2)
+    assert all(error is None for _, _, error in results), results
+    assert all(kb.is_built(j) for j in jobs)
+else:
+    from gdnkit.backends.tilelang_sm90 import forward
+    forward.propagator_kernel(1, 2, "float16"); forward.intra_chunk_kernel(1, 2, "float16")
+    assert kb.counts["loaded_from_disk"] == 2 and kb.counts["compiled_in_call"] == 0, kb.counts
+print("ok")
+"""
+    for step in ("build", "load"):
+        out = subprocess.run([sys.executable, "-c", script, step], env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
