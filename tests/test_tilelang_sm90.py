@@ -829,7 +829,7 @@ def test_intra_chunk_stage_matches_reference_trace(monkeypatch, sm90_config):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
-    from gdnkit.backends.reference.chunked import _to_chunks, chunked_gdn
+    from gdnkit.backends.reference.chunked import to_chunks, chunked_gdn
     from gdnkit.backends.tilelang_sm90 import context_parallel
     from gdnkit.backends.tilelang_sm90.forward import forward
     from gdnkit.problem import CHUNK_MODE, validate_inputs
@@ -855,7 +855,7 @@ def test_intra_chunk_stage_matches_reference_trace(monkeypatch, sm90_config):
     per_token = lambda x: x.movedim(1, 3).reshape(1, -1, HV, x.shape[-1])[:, :T]  # noqa: E731
     gamma_ref = trace.gamma.reshape(1, HV, -1)[0, :, :T]
     assert _rel(got["gamma"][:, :T], gamma_ref) <= 1e-5, f"gamma: {_rel(got['gamma'][:, :T], gamma_ref):.2e}"
-    tb_ref = per_token(trace.T * _to_chunks(beta.double(), trace.T.shape[2], 64).unsqueeze(-2))
+    tb_ref = per_token(trace.T * to_chunks(beta.double(), trace.T.shape[2], 64).unsqueeze(-2))
     assert _rel(got["a"], tb_ref) <= 1e-2, f"Tb: {_rel(got['a'], tb_ref):.2e}"
     assert torch.equal(got["a"], got_cp["a"]) and torch.equal(got["gamma"], got_cp["gamma"])
 
@@ -1345,7 +1345,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     monkeypatch.setattr(bwd, "chunk_group_sums", lambda dqk, *a: sums_in_s0.append(
         dqk.data_ptr() in s0_buffers) or real_sums(dqk, *a))
     # the qk l2norm's backward: in the fused path's group sums, else the prologue's Triton pass (q's and k's)
-    from gdnkit.backends.triton_generic import l2norm
+    from gdnkit.backends.triton_shared import l2norm
     l2norm_passes, real_pass = [], l2norm.l2norm_backward
     monkeypatch.setattr(l2norm, "l2norm_backward", lambda *a: l2norm_passes.append(1) or real_pass(*a))
 

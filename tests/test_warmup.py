@@ -286,7 +286,7 @@ def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, s
     for the first, then the neighbour's transition (P S + E; P^T S + F with reverse) where need flags that
     neighbour, else its warm state. Flags none, half or all set, so chains of transitions of every length; in
     place (the states written over warm, the sm90 backward's form) too."""
-    from gdnkit.backends.triton_generic.context_parallel import segment_scan
+    from gdnkit.backends.triton_shared.segments import segment_scan
     gen = torch.Generator().manual_seed(seed)
     HV, Kd, Vd = 2, 16, 16
     N, n_seg = len(counts), sum(counts)

@@ -27,15 +27,15 @@ def _row_index(bounds: list[tuple[int, int]], pad_to: int, device) -> tuple[torc
     return starts[:, None] + t[None, :], t[None, :] < lengths[:, None]
 
 
-def _pack(x: torch.Tensor, bounds: list[tuple[int, int]], pad_to: int) -> torch.Tensor:
+def pack_rows(x: torch.Tensor, bounds: list[tuple[int, int]], pad_to: int) -> torch.Tensor:
     """[1, T, ...] packed sequences -> [N, pad_to, ...] zero-padded rows (differentiable)."""
     position, valid = _row_index(bounds, pad_to, x.device)
     rows = x.new_zeros(len(bounds), pad_to, *x.shape[2:])
     return rows.index_put((valid,), x[0, position[valid]])
 
 
-def _unpack(rows: torch.Tensor, bounds: list[tuple[int, int]], T: int) -> torch.Tensor:
-    """Inverse of _pack: [N, L, ...] -> [1, T, ...]; tokens past the last offset are left zero."""
+def unpack_rows(rows: torch.Tensor, bounds: list[tuple[int, int]], T: int) -> torch.Tensor:
+    """Inverse of pack_rows: [N, L, ...] -> [1, T, ...]; tokens past the last offset are left zero."""
     position, valid = _row_index(bounds, rows.shape[1], rows.device)
     out = rows.new_zeros(T, *rows.shape[2:])
     return out.index_put((position[valid],), rows[valid])[None]
@@ -78,11 +78,11 @@ def reference_forward(problem: Problem, inputs: GDNInputs,
     if problem.varlen:
         longest = max((e - s for s, e in bounds), default=0)
         pad_to = -(-longest // CHUNK) * CHUNK
-        q, k, v, g, beta = (_pack(x, bounds, pad_to) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (pack_rows(x, bounds, pad_to) for x in (q, k, v, g, beta))
     result = form(q, k, v, g, beta, problem.scale, h0)
     o, ht = result[0], result[1]
     if problem.varlen:
-        o = _unpack(o, bounds, problem.T)
+        o = unpack_rows(o, bounds, problem.T)
     if problem.state_v_first:
         ht = ht.transpose(-1, -2)
     return o.to(inputs.v.dtype), (ht.contiguous() if problem.output_final_state else None)

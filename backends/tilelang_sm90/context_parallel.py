@@ -86,7 +86,7 @@ class Walks:
 
 @dataclasses.dataclass(frozen=True)
 class SegmentPlan:
-    segments: object                 # triton_generic.context_parallel.Segments
+    segments: object                 # triton_shared.segments.Segments (imported with triton, lazily)
     chunk_offsets: torch.Tensor      # [n_seg + 1] int32: chunk-table row of each segment's first chunk
     warmup: warmup.WarmupTables      # what the warm-up routes need (warmup.py)
     window: int                      # the gated route's warm-up length in chunks (plan.window)
@@ -99,7 +99,7 @@ class SegmentPlan:
 def plan_segments(layout: SequenceLayout, seg: int, window: int | None = None) -> SegmentPlan:
     """Cached per layout (itself cached per cu_seqlens tensor): a repeated call builds nothing. window: the gated
     route's warm-up in chunks (the Plan's), else plan.window's under the current Config."""
-    from gdnkit.backends.triton_generic.context_parallel import cut_segments
+    from gdnkit.backends.triton_shared.segments import cut_segments
     segments = cut_segments(layout, seg)
     dev = layout.cu_seqlens.device
     chunk_offsets = torch.cat([segments.chunk_offsets,
@@ -123,9 +123,9 @@ def segment_states(plan: SegmentPlan, aug: torch.Tensor, h0, N: int, output_fina
     the sequences' final states. With f (the backward's dS at each segment's start from a zero dS_end), the
     reverse scan dS_end_{j-1} = P_j^T dS_end_j + f_j instead: h0 is dht, and it returns every segment's dS_end
     and the sequences' dh0. need, warm (the gated route): each segment's state from warm where need says its
-    neighbour's transition was not computed; in_place: written over warm (triton_generic's segment_scan)."""
-    from gdnkit.backends.triton_generic._common import dot_precision
-    from gdnkit.backends.triton_generic.context_parallel import segment_scan
+    neighbour's transition was not computed; in_place: written over warm (triton_shared/segments.py's segment_scan)."""
+    from gdnkit.backends.triton_shared.jit_helpers import dot_precision
+    from gdnkit.backends.triton_shared.segments import segment_scan
 
     _, HV, K, VK = aug.shape
     return segment_scan(aug, h0, plan.segments.seg_offsets, N, HV, K, VK - K, False, output_final_state,

@@ -1,9 +1,11 @@
-"""Context parallelism inside one GPU for few, long sequences (docs/algorithm.md section 4, the exact form).
+"""Context parallelism inside one GPU for few, long sequences (docs/algorithm.md section 4, the exact form): the
+segments and the scan over them, shared by triton_generic (chunked.py) and tilelang_sm90 (context_parallel.py).
 
 The state pass runs one program per (sequence, value head, V block) down a whole sequence; with few heads
 that leaves most SMs idle. Cut every sequence into segments of whole chunks:
   1. every segment, in parallel, from a zero state: S_end = P S0 + E, with E [K, V] and the transition
-     P [K, K] from the same kernel (state_pass propagator mode: K extra identity columns with U' = 0);
+     P [K, K] from the same kernel (triton_generic's state_pass in propagator mode: K extra identity columns with U' = 0;
+     tilelang_sm90's propagator.py);
   2. per sequence, a short scan over its segments: S0 of segment j+1 = P_j S0_j + E_j (this module);
   3. every segment, in parallel, the ordinary state pass (+ output) from its true S0.
 Segments are pseudo-sequences for the varlen code path: (cu_seqlens, chunk_offsets) over segments.
@@ -20,7 +22,7 @@ import triton.language as tl
 
 from gdnkit.seqlayout import SequenceLayout
 
-from ._common import CHUNK, grid_2d, state_tile
+from .jit_helpers import CHUNK, grid_2d, state_tile
 from .launch import launch
 from .sizes import cdiv, flat_grid, next_power_of_2
 
