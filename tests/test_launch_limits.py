@@ -91,9 +91,9 @@ def test_segment_scans_within_cuda_grid_limits(recorded):
     seg_offsets = torch.arange(n_seg + 1, dtype=torch.int32)   # as many sequences, one segment each
     segments.segment_scan(aug, None, seg_offsets, n_seg, HV, K, V, False, True, "ieee")
     need = torch.zeros(n_seg, HV, dtype=torch.int32)
-    warm = torch.zeros(n_seg, HV, K, V)
+    lead_in_states = torch.zeros(n_seg, HV, K, V)
     segments.segment_scan(aug, None, seg_offsets, n_seg, HV, K, V, False, False, "ieee", need=need,
-                           warm=warm, seq_of=torch.arange(n_seg, dtype=torch.int32))
+                           lead_in_states=lead_in_states, seq_of=torch.arange(n_seg, dtype=torch.int32))
     assert len(recorded) == 2 and all(within_cuda_limits(grid) and grid[0] == n_seg for _, grid in recorded)
 
 

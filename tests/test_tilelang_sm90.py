@@ -51,13 +51,13 @@ def _kernel(kind: str, H: int, HV: int, dtype: str, **options):
     import tilelang
 
     from gdnkit.backends.tilelang_sm90 import (backward_fused, backward_state, backward_state_wide, chunk_grads,
-                                               intra_chunk, propagator, state_output, state_output_wide,
-                                               state_output_ws)
+                                               intra_chunk, propagator, state_output_pipelined, state_output_wide,
+                                               state_output_narrow)
     module, program = {"intra_chunk": (intra_chunk, intra_chunk.intra_chunk_program),
                        "backward_state": (backward_state, backward_state.backward_state_program),
                        "chunk_grads": (chunk_grads, chunk_grads.chunk_grads_program),
-                       "state_output": (state_output, state_output.state_output_program),
-                       "state_output_ws": (state_output_ws, state_output_ws.state_output_program),
+                       "state_output_pipelined": (state_output_pipelined, state_output_pipelined.state_output_pipelined_program),
+                       "state_output_narrow": (state_output_narrow, state_output_narrow.state_output_narrow_program),
                        "state_output_wide": (state_output_wide, state_output_wide.state_output_wide_program),
                        "backward_state_wide": (backward_state_wide, backward_state_wide.backward_state_wide_program),
                        "backward_fused": (backward_fused, backward_fused.backward_fused_program),
@@ -168,15 +168,15 @@ def test_state_output_compiles_to_wgmma_and_tma(H, HV, dtype, h0, ht, bv):
     _tilelang()
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     options = dict(has_initial_state=h0, store_final_state=ht, block_v=bv)
-    if bv in fwd.WS_BLOCK_V:
-        src = _source("state_output_ws", H, HV, dtype, **options)
+    if bv in fwd.NARROW_BLOCK_V:
+        src = _source("state_output_narrow", H, HV, dtype, **options)
         # the roles' register budgets: the TMA producer gives registers back, the two consumers take them
         assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2, "setmaxnreg roles are missing"
         assert "wgmma_rs" in src, "P U does not take P from registers"
         # full chunks of O leave through shared memory and a TMA store
         assert "tma_store(o_desc" in src, "O stores did not lower to TMA"
     else:
-        src = _source("state_output", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
+        src = _source("state_output_pipelined", H, HV, dtype, **options, num_stages=fwd.NUM_STAGES,
                       threads=fwd.PIPELINED_THREADS)
     _assert_hopper_paths(src)
 
@@ -188,13 +188,13 @@ def test_recompute_with_x_compiles_to_wgmma_and_tma(H, HV, dtype, bv, chained):
     hand-over tile (no extra copy on its chain), and without store_x nothing of it is built."""
     _tilelang()
     from gdnkit.backends.tilelang_sm90 import forward as fwd
-    options = dict(has_initial_state=True, store_final_state=False, block_v=bv, stages=fwd.WS_STAGES[bv],
+    options = dict(has_initial_state=True, store_final_state=False, block_v=bv, stages=fwd.NARROW_STAGES[bv],
                    store_states=True, emit_output=False, chained=chained)
-    src = _source("state_output_ws", H, HV, dtype, **options, store_x=True)
+    src = _source("state_output_narrow", H, HV, dtype, **options, store_x=True)
     _assert_hopper_paths(src)
     assert "tma_store(hs_desc" in src and "tma_store(o_desc" in src
     assert src.count("wgmma_ss<") == 3     # K S, Tb X, K^T U_d: X's store adds no product
-    without = _source("state_output_ws", H, HV, dtype, **options)
+    without = _source("state_output_narrow", H, HV, dtype, **options)
     assert "tma_store(hs_desc" in without and "o_desc" not in without
 
 
@@ -220,7 +220,7 @@ def test_recompute_two_an_sm_fits_an_sm_twice(H, HV, dtype, chained):
     _tilelang()
     options = dict(has_initial_state=True, store_final_state=False, block_v=64, stages=2, store_states=True,
                    emit_output=False, chained=chained, store_x=True, per_sm=2)
-    kernel = _kernel("state_output_ws", H, HV, dtype, **options)
+    kernel = _kernel("state_output_narrow", H, HV, dtype, **options)
     src = kernel.get_kernel_source()
     _assert_hopper_paths(src)
     assert "__launch_bounds__(384, 2)" in src
@@ -256,22 +256,22 @@ def test_propagator_compiles_to_wgmma_and_tma(H, HV, dtype):
 
 
 @pytest.mark.parametrize("block_v,stages", [(32, 3), (64, 2)])
-def test_state_output_ws_keeps_p_in_registers_and_stores_o_by_tma(block_v, stages):
+def test_state_output_narrow_keeps_p_in_registers_and_stores_o_by_tma(block_v, stages):
     """The three-warpgroup kernel's output role: P U takes P from registers (no P tile in shared memory), and
     full chunks of O leave by one TMA store; the roles get their register budgets (40 / 232 / 232)."""
     _tilelang()
-    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=block_v, stages=stages)
+    src = _source("state_output_narrow", 16, 64, "bfloat16", block_v=block_v, stages=stages)
     _assert_hopper_paths(src)
     assert "wgmma_rs" in src and "tma_store" in src
     assert "reg_dealloc<40>" in src and src.count("reg_alloc<232>") == 2
 
 
 @pytest.mark.parametrize("block_v,stages", [(32, 3), (64, 2)])
-def test_state_output_ws_without_output_stores_only_the_states(block_v, stages):
+def test_state_output_narrow_without_output_stores_only_the_states(block_v, stages):
     """The backward's recompute of S0: no Q loads, no output products or O stores; the third warpgroup stores
     each chunk's hand-over tile to hs by TMA."""
     _tilelang()
-    src = _source("state_output_ws", 16, 64, "bfloat16", block_v=block_v, stages=stages, store_states=True,
+    src = _source("state_output_narrow", 16, 64, "bfloat16", block_v=block_v, stages=stages, store_states=True,
                   emit_output=False, has_initial_state=True)
     _assert_hopper_paths(src)
     assert "tma_load(q_desc" not in src and "o_desc" not in src and "tma_store(hs_desc" in src
@@ -279,16 +279,16 @@ def test_state_output_ws_without_output_stores_only_the_states(block_v, stages):
 
 
 @pytest.mark.parametrize("block_v,stages,emit_output", [(64, 2, True), (32, 3, False)])
-def test_state_output_ws_chained_reads_its_walks(block_v, stages, emit_output):
+def test_state_output_narrow_chained_reads_its_walks(block_v, stages, emit_output):
     """The chained build (context parallelism's chained route): the Hopper paths as in the plain build, the
     walk reads `walk` and `before`, and no barrier waits under a thread subset (the walk's chunks skip the
     hand-over barriers on a condition every thread of the role evaluates alike)."""
     _tilelang()
-    src = _source("state_output_ws", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
+    src = _source("state_output_narrow", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
                   store_final_state=True, chained=True, emit_output=emit_output, store_states=not emit_output)
     _assert_hopper_paths(src)
     assert "walk[" in src and "before[" in src
-    plain = _source("state_output_ws", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
+    plain = _source("state_output_narrow", 8, 32, "bfloat16", block_v=block_v, stages=stages, has_initial_state=True,
                     store_final_state=True, emit_output=emit_output, store_states=not emit_output)
     assert "walk[" not in plain
 
@@ -526,8 +526,8 @@ def test_chunk_grads_compiles_to_wgmma_and_tma(H, HV, dtype):
     ("chunk_grads", 4, 8, {}),
     ("backward_state", 16, 32, dict(has_dht=True, store_dh0=True, block_v=64)),
     ("intra_chunk", 2, 8, {}),
-    ("state_output_ws", 16, 64, dict(block_v=32, stages=3)),
-    ("state_output_ws", 16, 64, dict(block_v=64, stages=2)),
+    ("state_output_narrow", 16, 64, dict(block_v=32, stages=3)),
+    ("state_output_narrow", 16, 64, dict(block_v=64, stages=2)),
 ])
 def test_kernels_fit_a_hopper_block_of_shared_memory(kind, H, HV, options):
     """Shared memory is checked where it is decided, at compile time on the CPU: a kernel over the per-block
@@ -542,8 +542,8 @@ def test_kernels_fit_a_hopper_block_of_shared_memory(kind, H, HV, options):
 
 @pytest.mark.parametrize("kind,options,desc", [
     ("intra_chunk", dict(emit_t=True), "tm_desc"),
-    ("state_output_ws", dict(block_v=64, stages=2, store_states=True), "hs_desc"),
-    ("state_output", dict(block_v=128, threads=256, store_states=True), "hs_desc"),
+    ("state_output_narrow", dict(block_v=64, stages=2, store_states=True), "hs_desc"),
+    ("state_output_pipelined", dict(block_v=128, threads=256, store_states=True), "hs_desc"),
 ])
 def test_training_forward_stores_t_and_states_by_tma(kind, options, desc):
     """A training forward also writes T (intra) and every chunk's entering state (both state kernels), each
@@ -891,15 +891,15 @@ def test_public_api_fp16_options_and_trailing_tokens():
 # ------------------------------------------- forward()'s host side on a CPU, the kernels replaced by stand-ins
 @pytest.mark.gpu
 def test_intra_chunk_bound_matches_the_walks_search():
-    """The intra kernel's emit_bound (the walks' chunk sums, warmup.py's bound per chunk-table row and value head)
-    against the search's own sums (warmup_bound._row_bounds_kernel, float64) on a varlen batch with chunk tails,
+    """The intra kernel's emit_bound (the walks' chunk sums, lead_in.py's bound per chunk-table row and value head)
+    against the search's own sums (lead_in_bound._row_bounds_kernel, float64) on a varlen batch with chunk tails,
     GVA and beta up to 2 (so |1 - beta ||k||^2| > 1 on some tokens); Tb and gamma as without it."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
     _tilelang()
     pytest.importorskip("triton")
     from gdnkit import seqlayout
-    from gdnkit.backends.tilelang_sm90 import warmup_bound
+    from gdnkit.backends.tilelang_sm90 import lead_in_bound
     from gdnkit.backends.tilelang_sm90.forward import intra_chunk_kernel
 
     H, HV, dev = 2, 8, "cuda"
@@ -929,7 +929,7 @@ def test_intra_chunk_bound_matches_the_walks_search():
     ends = torch.tensor([min(s + 64, b_) for a_, b_ in zip(cu_host[:-1], cu_host[1:]) for s in range(a_, b_, 64)],
                         device=dev)
     walked = torch.ones(n, dtype=torch.int8, device=dev)
-    warmup_bound._row_bounds_kernel[(n, H)](g, k, beta, starts, ends, walked, want, T, H=H, HV=HV, K=K, GP=4, KP=K,
+    lead_in_bound._row_bounds_kernel[(n, H)](g, k, beta, starts, ends, walked, want, T, H=H, HV=HV, K=K, GP=4, KP=K,
                                             num_warps=4)
     assert not got.isnan().any()
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), (got.double() - want).abs().max()
@@ -953,7 +953,7 @@ def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm, bound):
                 tm[0, t0:t0 + n, hv] = torch.nn.functional.pad(Tm, (0, 64 - n)).to(tm.dtype)
             gamma[hv, row, :n] = gs.float()
             gamma[hv, row, n:] = gs[-1].float()
-            if bound.numel() > 1:   # warmup.py's bound: g_t + log max(1, |1 - beta_t ||k_t||^2|) summed
+            if bound.numel() > 1:   # lead_in.py's bound: g_t + log max(1, |1 - beta_t ||k_t||^2|) summed
                 kn = (kk * kk).sum(1)
                 bound[row, hv] = (gs[-1] + torch.log(torch.clamp((1 - bs * kn).abs(), min=1.0)).sum()).float()
 
@@ -1281,10 +1281,10 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with keep_states; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
     reverse pass to the per-chunk kernel, sums dq/dk over GVA's value heads and undoes the options' prologue.
-    With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed warm-up over
+    With segments (context parallelism) each segment's dS_end comes from: the gated route (a fixed lead-in over
     the chunks after it, the exact route behind it, run for the pairs the device flags: gates that settle,
     gates that barely decay, and one head of each), the chained route (where the exact route does not pay: the
-    same warm-up, the reverse pass walking forward where it left a pair unsettled), or the exact route alone.
+    same lead-in, the reverse pass walking forward where it left a pair unsettled), or the exact route alone.
     fused-*: the same through the fused kernel (GDNKIT_SM90_FUSED_BACKWARD), its segments the wide route's, each
     from its dS_end by the gated route; dq / dk per chunk and value head summed here. *-wide-*: the forward takes
     the wide route too (its pass over segments picked, or with -plain- the pass over sequences), and the recompute
@@ -1308,20 +1308,20 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
         sm90_config(wide_segment_chunks=2)
         sm90_config(wide_step_ratio=0.0 if picked == "wide" else 1e9)
     sm90_config(segment_chunks=2 if segments else 0)
-    sm90_config(warmup_route=case != "segments-exact")
+    sm90_config(lead_in_route=case != "segments-exact")
     chained = case.startswith("segments-chained")
     if chained:
         sm90_config(exact_route_pays=False)
     flags = []   # the gated routes' device flags: (reverse, transitions needed per segment and head)
-    real_needed = bwd.warmup.transitions_needed
-    monkeypatch.setattr(bwd.warmup, "transitions_needed", lambda *a, reverse=False, **kw: flags.append(
+    real_needed = bwd.lead_in.transitions_needed
+    monkeypatch.setattr(bwd.lead_in, "transitions_needed", lambda *a, reverse=False, **kw: flags.append(
         (reverse, real_needed(*a, reverse=reverse, **kw).tolist())) or real_needed(*a, reverse=reverse, **kw))
-    real_reverse = bwd.warmup.reverse_warmup   # the backward's: its walks and the same flags
-    monkeypatch.setattr(bwd.warmup, "reverse_warmup", lambda *a, **kw: (
+    real_reverse = bwd.lead_in.reverse_lead_in   # the backward's: its walks and the same flags
+    monkeypatch.setattr(bwd.lead_in, "reverse_lead_in", lambda *a, **kw: (
         lambda walk_need: flags.append((True, walk_need[1].tolist())) or walk_need)(real_reverse(*a, **kw)))
     walks = []   # the chained routes' walks: (chunks per segment and head, reverse)
-    real_walks = bwd.warmup.walk_lengths
-    monkeypatch.setattr(bwd.warmup, "walk_lengths", lambda *a, reverse=False, **kw: walks.append(
+    real_walks = bwd.lead_in.walk_lengths
+    monkeypatch.setattr(bwd.lead_in, "walk_lengths", lambda *a, reverse=False, **kw: walks.append(
         (real_walks(*a, reverse=reverse, **kw).tolist(), reverse)) or real_walks(*a, reverse=reverse, **kw))
     calls = []
     for module in (fwd, bwd):
@@ -1380,9 +1380,9 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
         kept = BACKEND.chunk_forward(problem, inputs)[2].hs
     assert kept is not None and torch.equal(fwd.entering_states(problem, saved), kept)
     do, dht = r(*o.shape).half(), r(*ht.shape)
-    from gdnkit.backends.tilelang_sm90 import warmup_bound
-    token_sums, real_token_sums = [], warmup_bound._chunk_sums   # the flags' window sums over tokens
-    monkeypatch.setattr(warmup_bound, "_chunk_sums", lambda *a: token_sums.append(1) or real_token_sums(*a))
+    from gdnkit.backends.tilelang_sm90 import lead_in_bound
+    token_sums, real_token_sums = [], lead_in_bound._chunk_sums   # the flags' window sums over tokens
+    monkeypatch.setattr(lead_in_bound, "_chunk_sums", lambda *a: token_sums.append(1) or real_token_sums(*a))
     if fused and segments and not wide:
         # the fused path in the wide route's segments (2 chunks) behind a forward without them, which the rules give
         # nowhere (a forward that leaves them to its backward takes them itself): the backward follows its plan
@@ -1413,7 +1413,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
     # the backward's flags: 4 segments (3 of the first sequence, one of the third; the second is empty); the gates
-    # decay by ~15 a chunk, so the 1-chunk warm-up (2-chunk segments) settles; weak gates leave segments 0 and 1
+    # decay by ~15 a chunk, so the 1-chunk lead-in (2-chunk segments) settles; weak gates leave segments 0 and 1
     # unsettled, which need the transitions of segments 1 and 2
     # (the staged path's backward after a wide-route forward takes the chained route, the fused path the gated one)
     reverse_chained = chained or (wide and not fused)
@@ -1430,13 +1430,13 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
         "segments-chained-mixed-gates" if wide else case, (None, None))
     assert walks == ([] if fwd_walk is None else [(fwd_walk, False)] * 2 + [(bwd_walk, True)] * reverse_chained), \
         walks
-    # (the reverse pass's arguments end (..., chained, ds_only); ds_only chained builds are the gated warm-ups)
+    # (the reverse pass's arguments end (..., chained, ds_only); ds_only chained builds are the gated lead-ins)
     walked = {name for name, args in calls if name == "state_output_kernel" and args[8]
               or name == "backward_state_kernel" and args[-2] and not args[-1]}
     want_walked = {"state_output_kernel"} if chained or wide else set()
     assert walked == (want_walked | {"backward_state_kernel"} if reverse_chained else want_walked), walked
-    warmed = any(name == "backward_state_kernel" and args[-2] and args[-1] for name, args in calls)
-    assert warmed == (segments and not reverse_chained and case != "segments-exact"), calls
+    led_in = any(name == "backward_state_kernel" and args[-2] and args[-1] for name, args in calls)
+    assert led_in == (segments and not reverse_chained and case != "segments-exact"), calls
     # the recompute (state_output_kernel's arguments 5-10: block_v, store_states, emit_output, chained, store_x,
     # per_sm) runs the three-warpgroup kernel, also for a wide-route forward's 128-column pass over segments,
     # which it replays walking as the forward did: S0 only (the check of entering_states above, and the staged
@@ -1444,7 +1444,7 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     recomputes = {args[5:10] for name, args in calls if name == "state_output_kernel" and args[6] and not args[7]}
     assert all(per_sm == fwd.recompute_per_sm(args[5], args[9]) for name, (*args, per_sm) in calls
                if name == "state_output_kernel"), calls
-    assert {bv for bv, *_ in recomputes} <= set(fwd.WS_BLOCK_V), recomputes
+    assert {bv for bv, *_ in recomputes} <= set(fwd.NARROW_BLOCK_V), recomputes
     assert not wide or {(64, True, False, True, x) for x in {False, fused}} <= recomputes, recomputes
     launched = {name for name, _ in calls}
     assert ("backward_fused_kernel" in launched) == fused and ("chunk_grads_kernel" in launched) != fused, launched
@@ -1505,9 +1505,9 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config,
 def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route, gate_scale, settled, monkeypatch,
                                                            sm90_config):
     """The context-parallel forward's glue: segment plan, the segments' initial states (exact: the
-    propagator's [E | P] handed to triton_generic's segment scan, interpreted here; gated: a fixed warm-up and
+    propagator's [E | P] handed to triton_generic's segment scan, interpreted here; gated: a fixed lead-in and
     the exact route behind it, run or skipped per (segment, head) by the device's flags; chained: the same
-    warm-up, and the state pass over segments walking back where the flags say a start is unsettled; each for
+    lead-in, and the state pass over segments walking back where the flags say a start is unsettled; each for
     gates that settle in a chunk, gates that barely decay, and one head of each), then the state pass over
     segments from those states, which also gives the final states. The three TileLang kernels are replaced by float64 stand-ins of their contracts, so this checks
     everything around them against the plain path and float64."""
@@ -1534,7 +1534,7 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=True)
-    sm90_config(warmup_route=route != "exact")
+    sm90_config(lead_in_route=route != "exact")
     if route == "chained":   # the route where the exact one does not pay
         sm90_config(exact_route_pays=False)
     results = {}
@@ -1569,16 +1569,16 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,HV,T,segment_chunks,gate_scale,warmup_on,route,settled", [
+@pytest.mark.parametrize("H,HV,T,segment_chunks,gate_scale,lead_in_on,route,settled", [
     (2, 8, 8200, None, 1.0, True, "gated", True),
     (2, 8, 8200, None, 1.0, False, "exact", None),
     (2, 8, 8200, 3, 1.0, True, "gated", True),
-    (2, 8, 8200, None, 1e-3, True, "gated", False),   # gates barely decay: the exact route behind the warm-up runs
+    (2, 8, 8200, None, 1e-3, True, "gated", False),   # gates barely decay: the exact route behind the lead-in runs
     (2, 8, 65536 + 37, None, 1.0, True, "gated", True),
     (8, 32, 32768, None, 1.0, True, "chained", True),   # the exact route does not pay: the chained route
     (8, 32, 32768, None, 1e-3, True, "chained", False),  # ... where every unsettled program walks back
     # 16-chunk segments, the exact route made not to pay: half the heads barely decay, so their programs walk
-    # back to the sequence's start (up to 8 segments), the others start from their warm-up
+    # back to the sequence's start (up to 8 segments), the others start from their lead-in
     (2, 8, 8200, 16, "mixed", True, "chained", "mixed"),
     # inference's wide route: the chained route with one 128-column program per (segment, head), 4 and 16
     # segments filling the SMs
@@ -1596,11 +1596,11 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
 ], ids=["auto", "exact", "seg3", "weak-gates", "auto-64k", "8-32", "8-32-weak-gates", "chained-long-walks",
         "wide-8-32", "wide-8-32-weak-gates", "wide-64k-mixed-gates", "wide-short", "wide-short-mixed-gates",
         "wide-16-64-picked", "wide-16-64-plain"])
-def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on, route, settled, monkeypatch,
+def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, lead_in_on, route, settled, monkeypatch,
                                  sm90_config):
     """The forward with context parallelism (one long sequence: auto dispatch cuts it into segments on an
     H200) against float64, with an initial and a final state, by each route to the segments' initial states
-    (gated and chained: whether the fixed warm-up settled every segment, as the device flagged; wide: the chained
+    (gated and chained: whether the fixed lead-in settled every segment, as the device flagged; wide: the chained
     route in the 128-column state pass); a second call gives the same bits."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm90 GPU")
@@ -1612,7 +1612,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     from gdnkit.backends.tilelang_sm90 import forward as fwd
     from gdnkit.problem import CHUNK_MODE, validate_inputs
     sm90_config(segment_chunks=segment_chunks)
-    sm90_config(warmup_route=warmup_on)
+    sm90_config(lead_in_route=lead_in_on)
     sm90_config(wide_route=route == "wide")
     if route == "wide" and settled is False:   # the wide pass's long walks: made to be picked over the plain pass
         sm90_config(wide_step_ratio=0.0)
@@ -1671,7 +1671,7 @@ def test_context_parallel_on_gpu(H, HV, T, segment_chunks, gate_scale, warmup_on
     (2, 8, [2048], None),       # 32 chunks: one segment would be the whole sequence
     (2, 8, [512], None),        # one segment would be the whole sequence
     (4, 16, [32768], 128),      # 64 narrowest programs: 4 segments (0.905 -> 0.757 ms)
-    (8, 32, [32768], 256),      # 128 narrowest programs: 2 segments, by warm-up only
+    (8, 32, [32768], 256),      # 128 narrowest programs: 2 segments, by lead-in only
     (16, 64, [32768], None),    # 4 V tiles x 64 heads > 132: enough programs already
     (2, 8, [4096] * 8, None),
 ])
@@ -1941,7 +1941,7 @@ def test_backward_fused_matches_float64(H, HV, lengths, state, final, monkeypatc
     wide = fwd.plan_of(types.SimpleNamespace(HV=HV, needs_grad=True), seqlayout.sequence_layout(cu.to(torch.int32)),
                        torch.device(dev)).route == "wide"
     recomputes = {(bv, chained) for bv, keep, emit, chained, store_x in states if keep and not emit and store_x}
-    assert recomputes and all(bv in fwd.WS_BLOCK_V for bv, _ in recomputes), states
+    assert recomputes and all(bv in fwd.NARROW_BLOCK_V for bv, _ in recomputes), states
     assert any(chained for _, chained in recomputes) == wide, (wide, states)
     rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
     want = {n: [] for n in ("q", "k", "v", "g", "beta", "initial_state")}
@@ -2038,8 +2038,8 @@ def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatc
     gradients, its outputs poisoned before the replay. side-stream: no segments, so the backward's S0 recompute
     runs on a side stream beside the reverse pass (backward._recompute_beside), forked and joined inside the
     capture; the first replay reads S0 from graph-pool memory no earlier call wrote, so a read before the join
-    shows. segments: the forward's gated warm-up route (nothing read back) and the backward's exact route under
-    capture, where eager may take the backward's warm-up route (dS_end within e^-12 of each other): gradients
+    shows. segments: the forward's gated lead-in route (nothing read back) and the backward's exact route under
+    capture, where eager may take the backward's lead-in route (dS_end within e^-12 of each other): gradients
     compared to 2e-3, not bitwise. fused: the same calls through the fused backward (its S0 recompute in series,
     then one kernel)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -2080,9 +2080,9 @@ def test_training_call_in_a_cuda_graph_matches_eager(H, HV, T, fused, monkeypatc
 @pytest.mark.gpu
 @pytest.mark.parametrize("route,gate_scale", [("gated", 1.0), ("gated", 1e-3), ("chained", (1.0, 1e-3)),
                                               ("wide", (1.0, 1e-3))],
-                         ids=["warmup", "weak-gates", "chained-mixed-gates", "wide-mixed-gates"])
+                         ids=["lead_in", "weak-gates", "chained-mixed-gates", "wide-mixed-gates"])
 def test_training_with_context_parallelism(route, gate_scale, monkeypatch, sm90_config):
-    """One long sequence at 2/8 (segments on an H200): forward and backward in segments, by warm-ups with
+    """One long sequence at 2/8 (segments on an H200): forward and backward in segments, by lead-ins with
     decaying gates, by the exact routes (propagator and segment scans) with gates that barely decay, by the
     chained routes (16-chunk segments, the exact route made not to pay) with half the heads barely decaying, so
     their programs walk up to 8 segments both ways; by the backward's wide route (at 65573 tokens: 16 segments,

@@ -2,7 +2,7 @@
 bf16/fp16.
 
     intra_chunk.py       per (chunk, value head): gamma, Tb = T diag(beta) (and T for training)   (launch 1)
-    state_output*.py     per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
+    state_output_*.py    per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
     forward.py           forward(problem, inputs) -> (o, final state, Saved): prologue, kernel cache, launches
     backward_state.py    the backward's reverse dS pass                                           (launch 3)
     chunk_grads.py       the backward's per-chunk gradients                                       (launch 4)
