@@ -115,7 +115,8 @@ def test_decode_launch_within_cuda_grid_limits(monkeypatch):
 
 
 def test_tilelang_declines_past_its_grid_axis():
-    from gdnkit.backends.tilelang_sm90 import BACKEND as TILELANG, MAX_SEQUENCES
+    from gdnkit.backends.tilelang_sm90 import BACKEND as TILELANG
+    MAX_SEQUENCES = TILELANG.support.max_sequences
     from gdnkit.dispatch import probe_machine
 
     machine = probe_machine()

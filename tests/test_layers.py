@@ -170,7 +170,8 @@ def test_the_checker_flags_each_kind_of_crossing():
     ("gdnkit.__main__", "def f():\n    from gdnkit.backends.tilelang_sm90 import precompile"),
     ("gdnkit.backends.tilelang_sm90.context_parallel", "from ..triton_shared.segments import segment_scan"),
     ("gdnkit.backends.triton_generic.chunked", "from . import output\nfrom .output import output"),
-    ("gdnkit.benchmarks.runner", "import gdnkit\nfrom gdnkit.integrations import transformers\nfrom .grids import Grid"),
+    ("gdnkit.benchmarks.runner",
+     "import gdnkit\nfrom gdnkit.integrations import transformers\nfrom .grids import Grid"),
 ], ids=["prologue-shared-l2norm", "cli-precompile", "backend-shared-segments", "own-package", "benchmark-public-api"])
 def test_the_checker_allows_the_documented_seams(module, source):
     assert violations(imports_of(module, source)) == []

@@ -10,9 +10,10 @@ from typing import Callable
 
 import torch
 
-from gdnkit.dispatch import Backend, Machine
+from gdnkit.dispatch import Backend
+from gdnkit.dispatch.support import Support
 from gdnkit.prep import CHUNK, beta_activation, gate, l2norm
-from gdnkit.problem import GDNGrads, GDNInputs, Problem
+from gdnkit.problem import CHUNK_MODE, FLOAT_DTYPES, POOL_DTYPES, RECURRENT_MODE, GDNGrads, GDNInputs, Problem
 from gdnkit.seqlayout import seq_bounds
 
 from .chunked import chunked_gdn
@@ -115,14 +116,17 @@ def reference_backward(problem: Problem, inputs: GDNInputs, do: torch.Tensor, dh
     return GDNGrads(*result)
 
 
+# Every call validate_inputs lets through: any device, every float dtype, any head dims, both forms, the pool.
+SUPPORT = Support(devices=None, dtypes=FLOAT_DTYPES, head_dims=None, modes=(CHUNK_MODE, RECURRENT_MODE),
+                  state_dtypes=FLOAT_DTYPES, pool_state_dtypes=POOL_DTYPES + (torch.float64,))
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     description = "pure PyTorch (any device, float64-capable): the definition of correct"
-    serves_state_pool = True
-
-    def supports(self, problem: Problem, machine: Machine) -> list[str]:
-        return []
+    support = SUPPORT
+    serves_state_pool = SUPPORT.serving
 
     def chunk_forward(self, problem, inputs):
         if problem.serving:

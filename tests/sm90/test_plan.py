@@ -67,7 +67,7 @@ def test_supports_says_why_not():
     m = _hopper()
     assert BACKEND.reasons(_problem(), m) == []
     assert BACKEND.reasons(_problem(dtype=torch.float16, varlen=True, N=3), m) == []
-    cases = {"needs a Hopper": BACKEND.reasons(_problem(), _hopper(capability=(10, 0))),
+    cases = {"needs compute capability 9.0 (Hopper": BACKEND.reasons(_problem(), _hopper(capability=(10, 0))),
              "tilelang is not importable": BACKEND.reasons(_problem(), _hopper(tilelang=None)),
              "K = V = 128": BACKEND.reasons(_problem(K=64, V=64), m),
              "not bfloat16 or float16": BACKEND.reasons(_problem(dtype=torch.float32), m),
