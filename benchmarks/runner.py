@@ -122,7 +122,7 @@ def _n_input_sets(point: Point, device: torch.device) -> int:
     return int(max(1, min(MAX_INPUT_SETS, math.ceil(L2_MULTIPLE * l2 / max(per_set, 1)))))
 
 
-def _closures(impl: Impl, point: Point, sets: list[ChunkInputs]) -> dict[str, list]:
+def timed_closures(impl: Impl, point: Point, sets: list[ChunkInputs]) -> dict[str, list]:
     """What is timed, per input set. fwd: forward without autograd. bwd: forward with autograd
     ("fwd_train", the forward that precedes a backward) and forward+backward ("fwdbwd"); the
     backward's time is their difference. decode: one recurrent step with a state."""
@@ -250,7 +250,7 @@ class Runner:
                 # fresh leaves per implementation: gradients must not meet another's graph
                 inp = dataclasses.replace(inp, **{n: getattr(inp, n).detach().clone().requires_grad_(True)
                                                   for n in ("q", "k", "v", "g", "beta")})
-            fn = _closures(impl, point, [inp])["main"][0]
+            fn = timed_closures(impl, point, [inp])["main"][0]
             err = accuracy.max_rel_l2(_as_list(fn()), ref)
         except Unsupported:
             raise
@@ -263,7 +263,7 @@ class Runner:
 
     # -- one measurement ---------------------------------------------------------------------
     def _measure(self, impl: Impl, point: Point, sets: list[ChunkInputs]) -> tuple[dict, dict, list]:
-        fns = _closures(impl, point, sets)
+        fns = timed_closures(impl, point, sets)
         dev, cfg = self.device, self.cfg
         first = fns["main"][0]()  # compiles / autotunes; raises Unsupported early
         del first

@@ -46,7 +46,7 @@ def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[f
 
     from .impls import Unsupported, resolve
     from .inputs import make_point_inputs, requires_grad_
-    from .runner import _closures
+    from .runner import timed_closures
 
     start = time.monotonic()
     ran = False
@@ -61,7 +61,7 @@ def _warm_job(impl_name: str, points: tuple[Point, ...], device: str) -> tuple[f
             if point.pass_ == "bwd":
                 requires_grad_(inputs)
             try:
-                for fns in _closures(impl, point, [inputs]).values():
+                for fns in timed_closures(impl, point, [inputs]).values():
                     fns[0]()
             except Unsupported:
                 continue

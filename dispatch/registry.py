@@ -1,8 +1,10 @@
 """The backend contract and the registry of backends.
 
-A backend is an object with a name, a priority and three kinds of method:
+A backend is an object with a name, a priority, what it takes as data (`support`, dispatch/support.py) and three
+kinds of method:
   - `unavailable_reasons(machine)`: why it cannot run on this machine at all (package missing, no GPU);
   - `supports(problem, machine)`: why it cannot take this problem (plain-language reasons, empty = yes);
+    both derived from `support` unless a backend adds to them;
   - entry points that take a validated Problem and plain tensors and return plain tensors.
 Backends never import each other; the shared math they all use lives in `gdnkit.prep`.
 """
@@ -17,6 +19,7 @@ import torch
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
 
 from .machine import Machine
+from .support import Support
 
 
 class Backend(abc.ABC):
@@ -26,14 +29,19 @@ class Backend(abc.ABC):
     # The serving interface (problem.serving: a state pool written in place through ssm_state_indices) is
     # opt-in: a backend that has not implemented it would read the pool as a dense initial state.
     serves_state_pool: bool = False
+    # What it takes, as data (dispatch/support.py): the reasons below are derived from it. A backend without one
+    # (a test's stand-in) states its reasons itself.
+    support: Support | None = None
 
     def unavailable_reasons(self, machine: Machine) -> list[str]:
         """Reasons this backend cannot run on `machine` whatever the problem; empty when it can."""
-        return []
+        return [] if self.support is None else self.support.machine_reasons(machine)
 
-    @abc.abstractmethod
     def supports(self, problem: Problem, machine: Machine) -> list[str]:
         """Reasons this backend cannot take `problem`; empty when it can."""
+        if self.support is None:
+            raise NotImplementedError(f"{self.name} declares no support: it must override supports()")
+        return self.support.problem_reasons(problem, machine)
 
     def reasons(self, problem: Problem, machine: Machine) -> list[str]:
         reasons = self.unavailable_reasons(machine) or self.supports(problem, machine)

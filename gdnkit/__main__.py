@@ -53,11 +53,11 @@ def _check(args) -> int:
 
 
 def _warm(args) -> int:
-    from gdnkit.backends.tilelang_sm90.forward import TORCH_TO_TL
+    builds = [str(d).removeprefix("torch.") for d in dispatch.get("tilelang_sm90").support.dtypes]
     dtypes = args.dtypes.split(",")
     for dtype in dtypes:
-        if dtype not in TORCH_TO_TL.values():
-            raise SystemExit(f"--dtypes: tilelang_sm90 builds {', '.join(TORCH_TO_TL.values())}, got {dtype!r}")
+        if dtype not in builds:
+            raise SystemExit(f"--dtypes: tilelang_sm90 builds {', '.join(builds)}, got {dtype!r}")
     heads = [_head_pair(text) for text in args.heads.split(",")]
     try:
         import tilelang  # noqa: F401 - what builds the kernels

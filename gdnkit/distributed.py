@@ -32,7 +32,7 @@ import torch
 
 from gdnkit import api, seqlayout
 from gdnkit.dynamo_boundary import outside_dynamo
-from gdnkit.problem import CHUNK_MODE, _check_cu_seqlens, validate_inputs
+from gdnkit.problem import CHUNK_MODE, check_cu_seqlens, validate_inputs
 
 # The single-process call's keyword options (its signature after output_final_state), taken as they are.
 OPTIONS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel",
@@ -145,7 +145,7 @@ def _check_local(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     else:
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        _check_cu_seqlens(cu_seqlens, sys.maxsize)  # the end is checked against the shards' total later
+        check_cu_seqlens(cu_seqlens, sys.maxsize)  # the end is checked against the shards' total later
         offsets = seqlayout.host_offsets(cu_seqlens)
     HV, K, V = problem.HV, problem.K, problem.V
     N = 1 if offsets is None else len(offsets) - 1

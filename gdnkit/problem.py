@@ -202,7 +202,7 @@ def warn_positive_gates(problem: Problem, g: torch.Tensor) -> None:
                       stacklevel=_caller_stacklevel())
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> None:
     if cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {_shape(cu_seqlens)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -485,7 +485,7 @@ def validate_inputs(mode: str, q, k, v, g, beta, scale=None, initial_state=None,
         if B != 1:
             raise ValueError(f"with cu_seqlens, sequences are packed along T and the batch size must be 1, "
                              f"got B={B} (q shape {_shape(q)})")
-        _check_cu_seqlens(cu_seqlens, T)
+        check_cu_seqlens(cu_seqlens, T)
         N = cu_seqlens.numel() - 1
     else:
         N = B

@@ -1,6 +1,6 @@
 """The API options the kernels do not fuse yet, as a prologue before them (gdnkit.prep's math) and its
 hand-written backward, so chunk_backward returns gradients w.r.t. the raw user inputs without autograd. The qk
-l2norm runs as one Triton pass each way where Triton can read the tensors (triton_generic/l2norm.py), else in
+l2norm runs as one Triton pass each way where Triton can read the tensors (backends/triton_shared/l2norm.py), else in
 torch; the gate and beta activations, on [B, T, HV] only, in torch."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def triton_reads(x: torch.Tensor) -> bool:
 def _l2norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / sqrt(sum(x^2) + eps) in x's dtype, rstd [..., 1] fp32) over the last dim."""
     if triton_reads(x):
-        from gdnkit.backends.triton_generic.l2norm import l2norm_forward
+        from gdnkit.backends.triton_shared.l2norm import l2norm_forward
         return l2norm_forward(x)
     xf = x.float()
     rstd = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + prep.L2NORM_EPS)
@@ -69,7 +69,7 @@ def l2norm_backward_fp32(x, rstd, dy):
 def _l2norm_backward(x, rstd, dy):
     """dx in x's dtype for y = x * rstd, in fp32 before the one rounding."""
     if triton_reads(x):
-        from gdnkit.backends.triton_generic.l2norm import l2norm_backward
+        from gdnkit.backends.triton_shared.l2norm import l2norm_backward
         return l2norm_backward(x, rstd, dy)
     return l2norm_backward_fp32(x, rstd, dy).to(x.dtype)
 

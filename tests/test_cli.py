@@ -71,9 +71,9 @@ def test_warm_family_covers_training_and_inference():
     # the recompute of S0 stores X too for the fused kernel (state_output_kernel's store_x), at two programs an SM
     # where its V tile is 64 columns (the last argument)
     assert {j.factory for j in fused - staged} == {"backward_fused_kernel", "state_output_kernel"}
-    from gdnkit.backends.tilelang_sm90.forward import WS_BLOCK_V, recompute_per_sm
+    from gdnkit.backends.tilelang_sm90.forward import NARROW_BLOCK_V, recompute_per_sm
     assert {j.args[9:] for j in fused - staged if j.factory == "state_output_kernel"} == \
-        {(True, recompute_per_sm(bv, True)) for bv in WS_BLOCK_V}
+        {(True, recompute_per_sm(bv, True)) for bv in NARROW_BLOCK_V}
     assert {j.factory for j in staged - fused} == {"chunk_grads_kernel", "backward_state_kernel", "state_output_kernel"}
     assert {j.args[9:] for j in staged - fused if j.factory == "state_output_kernel"} == {(False, 1)}
     passes = [j.args for j in fused if j.factory == "backward_state_kernel"]

@@ -1,4 +1,4 @@
-"""use_qk_l2norm_in_kernel's Triton passes (triton_generic/l2norm.py) against the float64 formulas, and the prologue
+"""use_qk_l2norm_in_kernel's Triton passes (triton_shared/l2norm.py) against the float64 formulas, and the prologue
 taking them: on CPU tensors under the Triton interpreter (conftest sets it without a GPU), on CUDA ones with a GPU."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from gdnkit import prep, prologue
 
 pytest.importorskip("triton")
-from gdnkit.backends.triton_generic import l2norm  # noqa: E402
+from gdnkit.backends.triton_shared import l2norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # rel. L2 error bounds per dtype: a rounding of the result (the interpreter's bf16 cast is rounded by the fixture)

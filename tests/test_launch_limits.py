@@ -2,7 +2,7 @@
 65535) and offsets past int32 (T * HV * V > 2^31).
 
 triton_generic launches every chunked kernel on one grid axis (sizes.flat_grid, taken apart in the kernels by
-_common.grid_2d / grid_3d): on CPU every launch of a forward and backward at sequence and chunk counts past 65535
+jit_helpers.grid_2d / grid_3d): on CPU every launch of a forward and backward at sequence and chunk counts past 65535
 is recorded (kernels not run) and checked against the limits, and the interpreter checks the flat grids' program
 ids at head dims where every logical axis has several programs. tilelang_sm90 declines problems past its grid
 axis (triton_generic takes them). The `gpu` tests run the shapes that failed on the H100 and one past int32
@@ -25,11 +25,11 @@ from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, validate_inputs  # noqa: 
 pytest.importorskip("triton")
 
 from gdnkit.backends.triton_generic import (BACKEND, backward_chunk, backward_state, backward_wy,  # noqa: E402
-                                            chunked, context_parallel, fused_recurrent, intra_chunk, output,
-                                            sizes, state_pass)
+                                            chunked, fused_recurrent, intra_chunk, output, state_pass)
+from gdnkit.backends.triton_shared import segments, sizes  # noqa: E402
 
 FIRST_AXIS, OTHER_AXES = 2**31 - 1, 65535
-LAUNCHING = (intra_chunk, state_pass, output, backward_state, backward_chunk, backward_wy, context_parallel)
+LAUNCHING = (intra_chunk, state_pass, output, backward_state, backward_chunk, backward_wy, segments)
 
 
 def within_cuda_limits(grid) -> bool:
@@ -89,11 +89,11 @@ def test_segment_scans_within_cuda_grid_limits(recorded):
     n_seg, HV, K, V = 70000, 1, 4, 4
     aug = torch.zeros(n_seg, HV, K, V + K)
     seg_offsets = torch.arange(n_seg + 1, dtype=torch.int32)   # as many sequences, one segment each
-    context_parallel.segment_scan(aug, None, seg_offsets, n_seg, HV, K, V, False, True, "ieee")
+    segments.segment_scan(aug, None, seg_offsets, n_seg, HV, K, V, False, True, "ieee")
     need = torch.zeros(n_seg, HV, dtype=torch.int32)
-    warm = torch.zeros(n_seg, HV, K, V)
-    context_parallel.segment_scan(aug, None, seg_offsets, n_seg, HV, K, V, False, False, "ieee", need=need,
-                                  warm=warm, seq_of=torch.arange(n_seg, dtype=torch.int32))
+    lead_in_states = torch.zeros(n_seg, HV, K, V)
+    segments.segment_scan(aug, None, seg_offsets, n_seg, HV, K, V, False, False, "ieee", need=need,
+                           lead_in_states=lead_in_states, seq_of=torch.arange(n_seg, dtype=torch.int32))
     assert len(recorded) == 2 and all(within_cuda_limits(grid) and grid[0] == n_seg for _, grid in recorded)
 
 
@@ -115,7 +115,8 @@ def test_decode_launch_within_cuda_grid_limits(monkeypatch):
 
 
 def test_tilelang_declines_past_its_grid_axis():
-    from gdnkit.backends.tilelang_sm90 import BACKEND as TILELANG, MAX_SEQUENCES
+    from gdnkit.backends.tilelang_sm90 import BACKEND as TILELANG
+    MAX_SEQUENCES = TILELANG.support.max_sequences
     from gdnkit.dispatch import probe_machine
 
     machine = probe_machine()

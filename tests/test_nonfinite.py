@@ -420,6 +420,6 @@ def test_gpu_resets_and_causal_nan(backend):
     assert err < 1e-2, f"{backend}: {float(err):.3g}"
     assert not torch.isfinite(o[0, bad]).all()   # the bad value reaches its own token's output
     # (sequence 0's final state may come out finite: under context parallelism a later segment's state may be
-    # warmed up from after the bad chunk, which the rule allows)
+    # led in from after the bad chunk, which the rule allows)
     assert torch.isfinite(ht[1:]).all()
     assert (ht[1:].double() - ht_ref[1:]).norm() / ht_ref[1:].norm() < 1e-2

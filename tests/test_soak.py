@@ -58,8 +58,8 @@ def _cache_sizes():
     from gdnkit import seqlayout
     sizes = {"seqlayout entries": (len(seqlayout._entries), seqlayout.CACHED_TENSORS),
              "seqlayout layouts": (len(seqlayout._layouts), seqlayout.LAYOUTS_KEPT)}
-    from gdnkit.backends.triton_generic import context_parallel as tcp
-    from gdnkit.backends.triton_generic import launch
+    from gdnkit.backends.triton_shared import segments as tcp
+    from gdnkit.backends.triton_shared import launch
     sizes["triton cut_segments"] = (tcp.cut_segments.cache_info().currsize, tcp.cut_segments.cache_info().maxsize)
     sizes["triton launch fits"] = (len(launch._FITTED), 64)
     try:

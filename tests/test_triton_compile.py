@@ -1,4 +1,4 @@
-"""Every triton_generic chunked kernel and the prologue's qk l2norm, and tilelang_sm90's Triton warm-up flags and
+"""Every triton_generic chunked kernel and the prologue's qk l2norm, and tilelang_sm90's Triton lead-in flags and
 group sums, compile for real GPUs (sm80, sm90) on this CPU machine.
 
 The interpreter tests run the kernels' logic but never Triton's GPU lowering (layouts, mma/wgmma selection,
@@ -26,15 +26,15 @@ CAPABILITIES = (80, 90)
 # The buffers the backend allocates in fp32 whatever the inputs' dtype; every other pointer is a 16-bit input
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
 FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
-             "s0", "warm", "rstd", "dy", "q_rstd", "k_rstd"}
+             "s0", "lead_in_states", "rstd", "dy", "q_rstd", "k_rstd"}
 INDEX_ARGS = {"slots", "ckpt", "cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
-              # the wide route's pick (warmup_bound._pick_kernel): int32 segment tables and cu_seqlens
+              # the wide route's pick (lead_in_bound._pick_kernel): int32 segment tables and cu_seqlens
               "own", "seg_cu", "cu", "wide_cu", "wide_walk", "plain_cu"}
-# tilelang_sm90's warm-up flags (warmup_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
+# tilelang_sm90's lead-in flags (lead_in_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
 INT_SCALARS = {"slot_stride", "n_ckpt", "every", "T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu",
-               "w0", "n_rows", "N0", "N1", "B"}   # the flat grids' logical sizes (_common.grid_2d / grid_3d) and the batch size
+               "w0", "n_rows", "N0", "N1", "B"}   # the flat grids' logical sizes (jit_helpers.grid_2d / grid_3d) and the batch size
 FP32_SCALARS = {"scale", "longest", "ratio"}
 HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
@@ -57,32 +57,32 @@ KERNELS = {
     "diag_inverse": ("intra_chunk", "diag_inverse_kernel", dict(HV=4, IS_VARLEN=True)),
     "solve": ("intra_chunk", "solve_kernel", dict(HV=4, IS_VARLEN=True)),
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
-    "segment_scan": ("context_parallel", "segment_scan_kernel",
+    "segment_scan": ("gdnkit.backends.triton_shared.segments", "segment_scan_kernel",
                      dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
                           REVERSE=False, f=None)),  # None: as launched
-    "segment_states_gated": ("context_parallel", "gated_segment_states_kernel",
+    "segment_states_gated": ("gdnkit.backends.triton_shared.segments", "gated_segment_states_kernel",
                              dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, REVERSE=True, IN_PLACE=True)),
-    # tilelang_sm90's warm-up flags run in Triton too (warmup_bound.py), at a grouped head count
-    "warmup_chunk_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_chunk_bounds_kernel",
+    # tilelang_sm90's lead-in flags run in Triton too (lead_in_bound.py), at a grouped head count
+    "lead_in_chunk_bounds": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),
-    "warmup_row_bounds": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_row_bounds_kernel",
+    "lead_in_row_bounds": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_row_bounds_kernel",
                           dict(H=4, HV=8, K=128, GP=2, KP=128)),
-    "warmup_walks": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_walks_kernel",
+    "lead_in_walks": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_walks_kernel",
                      dict(HV=8, HVP=8, BM=64, REVERSE=True, LOG_BOUND=-12.0)),
-    "warmup_needs": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
+    "lead_in_needs": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_needs_kernel",
                      dict(HV=8, HVP=8, REVERSE=True, LOG_BOUND=-12.0, WALK=True, ROWS=False)),
     # ... reading the training forward's per-row bounds (the backward's flags; forward rows, nearest first)
-    "warmup_needs_rows": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_needs_kernel",
+    "lead_in_needs_rows": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_needs_kernel",
                           dict(HV=8, HVP=8, REVERSE=False, LOG_BOUND=-12.0, WALK=False, ROWS=True)),
-    "wide_pick": ("gdnkit.backends.tilelang_sm90.warmup_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
+    "wide_pick": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
     # and the fused backward's GVA sums (group_sum.py)
     "group_sums": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
                    dict(H=4, G=2, C=64, K=128, L2NORM=False)),
     "group_sums_l2norm": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
                           dict(H=4, G=2, C=64, K=128, L2NORM=True)),
     # the qk l2norm of both backends' prologue (dy: the summed dq / dk, fp32)
-    "l2norm_forward": ("l2norm", "l2norm_forward_kernel", dict(K=128, BK=128, ROWS=32, EPS=1e-6)),
-    "l2norm_backward": ("l2norm", "l2norm_backward_kernel", dict(K=128, BK=128, ROWS=32)),
+    "l2norm_forward": ("gdnkit.backends.triton_shared.l2norm", "l2norm_forward_kernel", dict(K=128, BK=128, ROWS=32, EPS=1e-6)),
+    "l2norm_backward": ("gdnkit.backends.triton_shared.l2norm", "l2norm_backward_kernel", dict(K=128, BK=128, ROWS=32)),
 }
 # the kernels with software-pipelined loops (the others' loops are static_range: unrolled): check name -> (its
 # launch-table name, its KERNELS entry, compile-time arguments that differ from that entry)
@@ -126,7 +126,7 @@ def _compile_all() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gdnkit.backends.triton_generic import launch
+    from gdnkit.backends.triton_shared import launch
 
     def build(module, function, constexprs, cc, options):
         path = module if "." in module else f"gdnkit.backends.triton_generic.{module}"

@@ -10,9 +10,10 @@ from typing import Callable
 
 import torch
 
-from gdnkit.dispatch import Backend, Machine
+from gdnkit.dispatch import Backend
+from gdnkit.dispatch.support import Support
 from gdnkit.prep import CHUNK, beta_activation, gate, l2norm
-from gdnkit.problem import GDNGrads, GDNInputs, Problem
+from gdnkit.problem import CHUNK_MODE, FLOAT_DTYPES, POOL_DTYPES, RECURRENT_MODE, GDNGrads, GDNInputs, Problem
 from gdnkit.seqlayout import seq_bounds
 
 from .chunked import chunked_gdn
@@ -27,15 +28,15 @@ def _row_index(bounds: list[tuple[int, int]], pad_to: int, device) -> tuple[torc
     return starts[:, None] + t[None, :], t[None, :] < lengths[:, None]
 
 
-def _pack(x: torch.Tensor, bounds: list[tuple[int, int]], pad_to: int) -> torch.Tensor:
+def pack_rows(x: torch.Tensor, bounds: list[tuple[int, int]], pad_to: int) -> torch.Tensor:
     """[1, T, ...] packed sequences -> [N, pad_to, ...] zero-padded rows (differentiable)."""
     position, valid = _row_index(bounds, pad_to, x.device)
     rows = x.new_zeros(len(bounds), pad_to, *x.shape[2:])
     return rows.index_put((valid,), x[0, position[valid]])
 
 
-def _unpack(rows: torch.Tensor, bounds: list[tuple[int, int]], T: int) -> torch.Tensor:
-    """Inverse of _pack: [N, L, ...] -> [1, T, ...]; tokens past the last offset are left zero."""
+def unpack_rows(rows: torch.Tensor, bounds: list[tuple[int, int]], T: int) -> torch.Tensor:
+    """Inverse of pack_rows: [N, L, ...] -> [1, T, ...]; tokens past the last offset are left zero."""
     position, valid = _row_index(bounds, rows.shape[1], rows.device)
     out = rows.new_zeros(T, *rows.shape[2:])
     return out.index_put((position[valid],), rows[valid])[None]
@@ -78,11 +79,11 @@ def reference_forward(problem: Problem, inputs: GDNInputs,
     if problem.varlen:
         longest = max((e - s for s, e in bounds), default=0)
         pad_to = -(-longest // CHUNK) * CHUNK
-        q, k, v, g, beta = (_pack(x, bounds, pad_to) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (pack_rows(x, bounds, pad_to) for x in (q, k, v, g, beta))
     result = form(q, k, v, g, beta, problem.scale, h0)
     o, ht = result[0], result[1]
     if problem.varlen:
-        o = _unpack(o, bounds, problem.T)
+        o = unpack_rows(o, bounds, problem.T)
     if problem.state_v_first:
         ht = ht.transpose(-1, -2)
     return o.to(inputs.v.dtype), (ht.contiguous() if problem.output_final_state else None)
@@ -115,14 +116,17 @@ def reference_backward(problem: Problem, inputs: GDNInputs, do: torch.Tensor, dh
     return GDNGrads(*result)
 
 
+# Every call validate_inputs lets through: any device, every float dtype, any head dims, both forms, the pool.
+SUPPORT = Support(devices=None, dtypes=FLOAT_DTYPES, head_dims=None, modes=(CHUNK_MODE, RECURRENT_MODE),
+                  state_dtypes=FLOAT_DTYPES, pool_state_dtypes=POOL_DTYPES + (torch.float64,))
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     description = "pure PyTorch (any device, float64-capable): the definition of correct"
-    serves_state_pool = True
-
-    def supports(self, problem: Problem, machine: Machine) -> list[str]:
-        return []
+    support = SUPPORT
+    serves_state_pool = SUPPORT.serving
 
     def chunk_forward(self, problem, inputs):
         if problem.serving:

@@ -25,7 +25,7 @@ class ChunkTrace(NamedTuple):
     h: torch.Tensor  # [B, HV, NT, K, V]  state entering each chunk
 
 
-def _to_chunks(x: torch.Tensor, NT: int, C: int) -> torch.Tensor:
+def to_chunks(x: torch.Tensor, NT: int, C: int) -> torch.Tensor:
     """[B, T, HV, ...] -> [B, HV, NT, C, ...], zero-padding T up to NT * C."""
     B, T, HV = x.shape[:3]
     pad = NT * C - T
@@ -80,9 +80,9 @@ def _chunked(q, k, v, g, beta, scale: float, h0, chunk: int):
     V = v.shape[-1]
     C = chunk
     NT = -(-T // C)
-    qc, kc, vc = (_to_chunks(x, NT, C) for x in (q, k, v))
-    gc = _to_chunks(g, NT, C)
-    bc = _to_chunks(beta, NT, C)
+    qc, kc, vc = (to_chunks(x, NT, C) for x in (q, k, v))
+    gc = to_chunks(g, NT, C)
+    bc = to_chunks(beta, NT, C)
 
     gamma = gc.cumsum(-1)
     Gamma = torch.exp(gamma)

@@ -18,7 +18,7 @@ import torch
 
 from gdnkit.prep import floor_gate, floor_gate_backward
 
-from .chunked import CHUNK, _to_chunks, chunked_gdn
+from .chunked import CHUNK, to_chunks, chunked_gdn
 
 
 class ChunkGrads(NamedTuple):
@@ -49,8 +49,8 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
     C = chunk
     NT = -(-T // C)
     _, _, tr = chunked_gdn(q, k, v, g, beta, scale, h0, chunk)
-    qc, kc, vc, doc = (_to_chunks(x, NT, C) for x in (q, k, v, do))
-    bc = _to_chunks(beta, NT, C)
+    qc, kc, vc, doc = (to_chunks(x, NT, C) for x in (q, k, v, do))
+    bc = to_chunks(beta, NT, C)
     gamma, T_m, h = tr.gamma, tr.T, tr.h
     Gam = torch.exp(gamma)                                   # [B, HV, NT, C]
     e = torch.exp(gamma[..., -1:] - gamma)                   # Gamma_C / Gamma_t
@@ -79,7 +79,7 @@ def chunked_gdn_backward(q, k, v, g, beta, scale: float, do, h0=None, dht=None, 
 
 def chunk_local_grads(qc, kc, vc, doc, bc, gamma, T_m, S0, dU, dX, dhe, scale: float):
     """The backward's parallel part for chunks of C rows (any leading dims; rows past a sequence's end are
-    zero, as _to_chunks pads them): from the state S0 entering each chunk, its dS_end (dhe), dU and dX, the
+    zero, as to_chunks pads them): from the state S0 entering each chunk, its dS_end (dhe), dU and dX, the
     gradients w.r.t. q and k (per value head), g and beta. backends/tilelang_sm90/chunk_grads.py computes this
     per (chunk, value head)."""
     C = qc.shape[-2]

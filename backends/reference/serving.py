@@ -25,7 +25,7 @@ from gdnkit.prep import CHUNK
 from gdnkit.seqlayout import seq_bounds
 from gdnkit.problem import GDNServingInputs, Problem
 
-from .backend import _pack, _unpack, apply_options
+from .backend import apply_options, pack_rows, unpack_rows
 from .chunked import chunked_gdn
 from .recurrent import recurrent_gdn
 
@@ -38,7 +38,7 @@ def _prepared(problem: Problem, inputs: GDNServingInputs):
     bounds = seq_bounds(inputs.cu_seqlens)
     pad_to = max((e - s for s, e in bounds), default=0)
     # zero-padded tokens have g = 0 and beta = 0 after the options: they leave the state unchanged
-    rows = tuple(_pack(x, bounds, pad_to) for x in (q, k, v, g, beta))
+    rows = tuple(pack_rows(x, bounds, pad_to) for x in (q, k, v, g, beta))
     return rows, [e - s for s, e in bounds], bounds
 
 
@@ -70,7 +70,7 @@ def serving_chunk_forward(problem: Problem, inputs: GDNServingInputs) -> tuple[t
     o, S, trace = chunked_gdn(q, k, v, g, beta, problem.scale, S0)
     o = o * live.to(o.dtype)[:, None, None, None]
     if problem.varlen:
-        o = _unpack(o, bounds, problem.T)
+        o = unpack_rows(o, bounds, problem.T)
     writers = live.nonzero()[:, 0]
     if problem.checkpoint_every:
         # trace.h[:, :, m] is the state after m chunks; padding past a row's length leaves it unchanged
@@ -130,7 +130,7 @@ def serving_forward(problem: Problem, inputs: GDNServingInputs) -> tuple[torch.T
     # where, never a multiply by the mask: a padding row's inputs may hold anything (NaN * 0 is NaN)
     o = torch.where(live[:, None, None, None], o, 0)
     if problem.varlen:
-        o = _unpack(o, bounds, problem.T)
+        o = unpack_rows(o, bounds, problem.T)
     o = o.to(inputs.v.dtype)
 
     if problem.inplace_final_state:

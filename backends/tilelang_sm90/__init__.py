@@ -2,7 +2,7 @@
 bf16/fp16.
 
     intra_chunk.py       per (chunk, value head): gamma, Tb = T diag(beta) (and T for training)   (launch 1)
-    state_output*.py     per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
+    state_output_*.py    per (sequence, value head, V tile): the state pass fused with the output  (launch 2)
     forward.py           forward(problem, inputs) -> (o, final state, Saved): prologue, kernel cache, launches
     backward_state.py    the backward's reverse dS pass                                           (launch 3)
     chunk_grads.py       the backward's per-chunk gradients                                       (launch 4)
@@ -18,20 +18,22 @@ from __future__ import annotations
 import torch
 
 from gdnkit.dispatch import Backend, Machine, register
-from gdnkit.dispatch.requirements import cuda_tensor_reasons, gpu_reasons, package_reasons
+from gdnkit.dispatch.support import Support
 from gdnkit.problem import CHUNK_MODE, GDNGrads, GDNInputs, Problem
 
-DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIM = 128
 # The state passes launch one program per (V tile, value head, sequence) with the sequences on the grid's second
 # or third axis, which CUDA stops at 65535 (the backward's likewise): more sequences go to triton_generic,
 # whose launches take any count (one grid axis).
-MAX_SEQUENCES = 65535
-NEEDS = "a Hopper GPU (compute capability 9.0: wgmma and TMA)"
-
-
-def _accepts(capability: tuple[int, int]) -> bool:
-    return capability == (9, 0)
+SUPPORT = Support(
+    devices=("cuda",), packages=("tilelang",), capabilities=((9, 0),),
+    dtypes=(torch.bfloat16, torch.float16), head_dims=(128,), modes=(CHUNK_MODE,),
+    state_dtypes=(torch.float32,), pool_state_dtypes=(), max_sequences=65535,
+    why={"capability": "Hopper: wgmma and TMA",
+         "mode": "decode runs on triton_generic's token-by-token kernel",
+         "head_dim": "the Qwen3.5/3.6 shape",
+         "serving": "prefill on a state pool runs on triton_generic, whose state pass reads and writes the slots in "
+                    "the kernel (here a gather and a scatter would add two passes over the pool)",
+         "sequences": "the state passes' sequences lie on a CUDA grid axis; triton_generic takes any count"})
 
 
 class TileLangSM90Backend(Backend):
@@ -39,28 +41,8 @@ class TileLangSM90Backend(Backend):
     priority = 70  # above triton_generic: on Hopper this is the fast path
     description = ("TileLang kernels for Hopper (sm_90a): TMA loads on mbarriers, wgmma products, the state "
                    "pass fused with the output; chunked forward and backward, K = V = 128, bf16/fp16")
-
-    def unavailable_reasons(self, machine: Machine) -> list[str]:
-        return package_reasons(machine, "tilelang") + gpu_reasons(machine, _accepts, NEEDS)
-
-    def supports(self, problem: Problem, machine: Machine) -> list[str]:
-        reasons = cuda_tensor_reasons(problem, machine, _accepts, NEEDS)
-        if problem.mode != CHUNK_MODE:
-            reasons.append("the recurrent (decode) form runs on triton_generic's token-by-token kernel")
-        if problem.dtype not in DTYPES:
-            reasons.append(f"dtype {problem.dtype} is not bfloat16 or float16")
-        if problem.K != HEAD_DIM or problem.V != HEAD_DIM:
-            reasons.append(f"built for K = V = {HEAD_DIM} (the Qwen3.5/3.6 shape), got K={problem.K}, V={problem.V}")
-        if problem.serving:
-            # Host-side gather/scatter around these kernels would add the two passes over the pool that prefill
-            # on the pool exists to remove; triton_generic addresses the slots inside its state pass.
-            reasons.append("prefill on a state pool (ssm_state_indices) runs on triton_generic, whose state pass "
-                           "reads and writes the slots in the kernel")
-        elif problem.state_dtype is not None and problem.state_dtype != torch.float32:
-            reasons.append(f"initial_state must be float32, got {problem.state_dtype}")
-        if problem.N > MAX_SEQUENCES:
-            reasons.append(f"{problem.N} sequences: the state passes take at most {MAX_SEQUENCES} (a CUDA grid axis)")
-        return reasons
+    support = SUPPORT
+    serves_state_pool = SUPPORT.serving
 
     def plan(self, problem: Problem, inputs: GDNInputs, machine: Machine) -> str | None:
         """The call's Plan (plan.py) under the current Config, in a few lines."""

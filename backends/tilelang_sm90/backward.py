@@ -1,6 +1,6 @@
 """The sm90 chunked backward (issue 6, docs/sm90-design.md): three TileLang launches after a training forward.
 
-    state_output_ws.py every chunk's entering state S0: the forward's state pass again, built without output
+    state_output_narrow.py every chunk's entering state S0: the forward's state pass again, built without output
                        (forward.entering_states; kept from the forward instead with config.keep_states)
     backward_state.py  per (sequence, value head, V tile), chunks right to left: dS on chip; stores every
                        chunk's dS_end (dh), dU, dX (= dV) and dh0
@@ -20,7 +20,7 @@ path above elsewhere;
 GDNKIT_SM90_FUSED_BACKWARD=1 / 0 forces one.
 
 Context parallelism (few long sequences): the forward's segments and routes (_segments). Gated: each segment's
-dS_end from a warm-up over at most a window of the chunks after it (warmup.py, the same norm bound as the
+dS_end from a lead-in over at most a window of the chunks after it (lead_in.py, the same norm bound as the
 forward's; the reverse pass walking them in place, storing only the dS_ends), checked on the device per (segment,
 head), and exactly where it left a pair unsettled (the forward's propagator gives each segment's transition, and
 the transitions of flagged neighbours carry the dS_ends: _gated_ds_ends); then the reverse pass per segment.
@@ -36,7 +36,7 @@ import torch
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, Problem
 
-from . import context_parallel, forward, warmup
+from . import context_parallel, forward, lead_in
 from .group_sum import chunk_group_sums
 from .kernel_build import kernel_factory
 from .forward import TARGET, TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel
@@ -70,7 +70,7 @@ def _jit():
 def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
                           chained: bool = False, ds_only: bool = False):
     """The reverse pass: backward_state.py at 32 / 64 columns; at 128 backward_state_wide.py, with the same
-    arguments. ds_only: only dh0 is stored (the gated route's warm-up and exact passes)."""
+    arguments. ds_only: only dh0 is stored (the gated route's lead-in and exact passes)."""
     if block_v == 128:
         return _jit()[2](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained, ds_only=ds_only)
     return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
@@ -90,21 +90,21 @@ def backward_fused_kernel(H: int, HV: int, dtype: str, has_dinit: bool, store_dh
 def _segments(s: Saved):
     """(segment plan, route) where the reverse pass runs in segments, else None: the forward's segments and route
     (the plan's backward_route), run right to left. The wide route's segments take the chained route; elsewhere
-    the gated route where the exact route pays, else the chained one; the exact route alone where the warm-up is
-    off (config.warmup_route)."""
+    the gated route where the exact route pays, else the chained one; the exact route alone where the lead-in is
+    off (config.lead_in_route)."""
     p = s.plan
     if p.backward_route in (None, "plain"):
         return None
     return context_parallel.plan_segments(s.layout, p.segment_chunks, p.window), p.backward_route
 
 
-def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=None):
+def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, lead_in_states=None):
     """(dS_end of every segment, the sequences' dh0 or None), exactly: each segment's transition P (the
     forward's propagator), its dS at the start from a zero dS_end (F: the reverse pass per segment storing
     nothing else, ds_only), then the reverse segment scan dS_end_{j-1} = P_j^T dS_end_j + F_j. need ([n_seg, HV]
-    int32) and warm (the gated route): only the pairs need marks get P and F, the scan takes warm's dS_end
-    elsewhere, writing the others over warm (in place: where nothing is flagged the launch moves no
-    state), and dh0 is left to the caller."""
+    int32) and lead_in_states (the gated route): only the pairs need marks get P and F, the scan takes
+    lead_in_states' dS_end elsewhere, writing the others over lead_in_states (in place: where nothing is flagged
+    the launch moves no state), and dh0 is left to the caller."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, dt, n_seg = do.device, TORCH_TO_TL[problem.dtype], plan.segments.n_seg
     gate = open_gate(dev, HV) if need is None else need
@@ -115,7 +115,8 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, warm=No
         s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets, _placeholder(dev, HV, K, V),
         *_untouched(dev, s.v.dtype), f, float(problem.scale), gate, *_no_walks(dev, HV))
     return context_parallel.segment_states(plan, aug, dht, problem.N, s.h0 is not None and need is None, s.k.dtype,
-                                           f=f, need=need, warm=warm, in_place=warm is not None)
+                                           f=f, need=need, lead_in_states=lead_in_states,
+                                           in_place=lead_in_states is not None)
 
 
 def _placeholder(dev: torch.device, HV: int, K: int, V: int) -> torch.Tensor:
@@ -136,22 +137,23 @@ def _no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _gated_ds_ends(problem: Problem, s: Saved, plan, do, dht) -> torch.Tensor:
-    """dS_end of every segment, graph-safe: the reverse warm-up over the fewest of min(window, available) chunks
-    after each segment that settle each head (warmup.reverse_warmup), read in place by the reverse pass walking
+    """dS_end of every segment, graph-safe: the reverse lead-in over the fewest of min(window, available) chunks
+    after each segment that settle each head (lead_in.reverse_lead_in), read in place by the reverse pass walking
     from each segment's end (ds_only, chained: no gather, nothing stored but the dS_ends), and the exact route
     behind it, run only for the (segment, head) pairs whose predecessor the window left outside the bound (the
     same search's flags)."""
     H, HV, K, V = s.k.shape[2], problem.HV, problem.K, problem.V
     dev, n_seg, w = do.device, plan.segments.n_seg, plan.walks
-    walk, need = warmup.reverse_warmup(plan.warmup, s.g, s.k, s.beta, plan.window, s.row_bounds,
+    walk, need = lead_in.reverse_lead_in(plan.lead_in, s.g, s.k, s.beta, plan.window, s.row_bounds,
                                        log_bound=s.plan.config.log_bound)
-    warm = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
+    lead_in_states = torch.empty(n_seg, HV, K, V, device=dev, dtype=torch.float32)
     kernel = backward_state_kernel(H, HV, TORCH_TO_TL[problem.dtype], dht is not None, True,
                                    s.plan.ds_only_block_v, True, True)
     kernel(s.q, s.k, s.a, do, s.gamma, plan.segments.cu_seqlens, plan.chunk_offsets,
            _placeholder(dev, HV, K, V) if dht is None else dht.index_select(0, w.seq_of),
-           *_untouched(dev, s.v.dtype), warm, float(problem.scale), open_gate(dev, HV), walk, w.after, w.seq_end)
-    return _exact_ds_ends(problem, s, plan, do, dht, need, warm)[0]
+           *_untouched(dev, s.v.dtype), lead_in_states, float(problem.scale), open_gate(dev, HV), walk, w.after,
+           w.seq_end)
+    return _exact_ds_ends(problem, s, plan, do, dht, need, lead_in_states)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,16 +279,16 @@ def _staged_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tenso
                placeholder if dht is None else dht, du, dv, dh, placeholder if dh0 is None else dh0,
                float(problem.scale), open_gate(dev, HV), *_no_walks(dev, HV))
     else:
-        # context parallelism: every segment's dS_end (by a warm-up over the chunks after it, exactly, or the
+        # context parallelism: every segment's dS_end (by a lead-in over the chunks after it, exactly, or the
         # gated pair of both), then the reverse pass per segment from those; chained: the pass over segments
-        # walks forward as far as each (segment, head) needs (warmup.walk_lengths), from the sequence's dht where
+        # walks forward as far as each (segment, head) needs (lead_in.walk_lengths), from the sequence's dht where
         # it reaches the sequence's end
         plan, route = plan
         n_seg = plan.segments.n_seg
         walks = None
         if route == "chained":
             w = plan.walks
-            walks = (warmup.walk_lengths(plan.warmup, s.g, s.k, s.beta, reverse=True, row_sums=s.row_bounds,
+            walks = (lead_in.walk_lengths(plan.lead_in, s.g, s.k, s.beta, reverse=True, row_sums=s.row_bounds,
                                          log_bound=s.plan.config.log_bound), w.after, w.seq_end)
             ds_end, dh0 = None if dht is None else dht.index_select(0, w.seq_of), None
         elif route == "gated":
@@ -342,7 +344,7 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     """(dqk: dq, dk per chunk and value head; dv, dg, dbeta, dh0 packed; the kernel's runs as
     group_sum.chunk_group_sums takes them) from the fused kernel. Where one program
     per (sequence, head) leaves SMs idle, the sequences run in the wide route's segments
-    (the plan's wide route), each from its dS_end by the gated route (_gated_ds_ends: a reverse warm-up,
+    (the plan's wide route), each from its dS_end by the gated route (_gated_ds_ends: a reverse lead-in,
     exact where it does not settle)."""
     layout = s.layout
     total, H, K = s.q.shape[1], s.q.shape[2], s.q.shape[3]
@@ -359,7 +361,7 @@ def _fused_kernel_outputs(problem: Problem, s: Saved, do: torch.Tensor, dht: tor
     buf = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=s.k.dtype)
     seg = s.plan.fused_segment_chunks
     placeholder = _placeholder(dev, HV, K, V)
-    # in segments, the segments' dS_ends (the gated route: its search, warm-up and exact kernels, ~0.03 ms of mostly
+    # in segments, the segments' dS_ends (the gated route: its search, lead-in and exact kernels, ~0.03 ms of mostly
     # latency-bound launches) need nothing the recompute makes: on CUDA the recompute runs on a side stream beside
     # them, its outputs allocated here before the fork and read after the join (as _recompute_beside). At one
     # program an SM the recompute held 128 SMs' registers and the route's small launches took the rest and the gaps

@@ -74,7 +74,7 @@ import tilelang
 import tilelang.language as T
 
 from .group_sum import accumulator_thread, slot_offset
-from .state_output import sequence_bounds
+from .sequence_macros import sequence_bounds
 
 CHUNK = 64
 THREADS = 512

@@ -1,4 +1,4 @@
-"""The backward's sequential pass (issue 6, docs/sm90-design.md), warp-specialized like state_output_ws.py: per
+"""The backward's sequential pass (issue 6, docs/sm90-design.md), warp-specialized like state_output_narrow.py: per
 (sequence, value head, V tile), the chunks right to left with dS [K, BV] on chip.
 
     producer  (threads   0-127)  TMA: Q, K, Tb, dO and gamma of chunk i (counted from the end) into stage i % STAGES
@@ -14,20 +14,20 @@ forward. Where `gate` holds 0 for its (segment, head) a CTA does nothing: the ga
 route's pass per segment always and lets the device decide (backward._gated_ds_ends). The definition it must meet
 is backends/reference/chunked_backward.py (dU, dS_end per chunk, dV).
 
-Barriers (as in state_output_ws.py): loaded / freed per stage (freed: chain + side, 256 arrivals), and
+Barriers (as in state_output_narrow.py): loaded / freed per stage (freed: chain + side, 256 arrivals), and
 side_ready / side_free per hand-over slot (i % 2).
 
 chained (context parallelism's chained route, backward.py): the programs run over segments, and each first walks
 walk[n, hv] chunks after its segment, from the last back, storing nothing (another program's dS_end, dU, dX) --
-as many as the decay bound needs (warmup.walk_lengths, reverse), from a zero dS, or from the sequence's dht where
+as many as the decay bound needs (lead_in.walk_lengths, reverse), from a zero dS, or from the sequence's dht where
 the walk reaches the sequence's end (walk == after[n]: exact; the walk then ends at seq_end[n], a tail chunk
-included) -- as the forward's state pass walks back (state_output_ws.py). dht is per segment: its sequence's.
+included) -- as the forward's state pass walks back (state_output_narrow.py). dht is per segment: its sequence's.
 
 ds_only (the gated route's passes, backward.py): nothing is stored but dh0, the dS at the run's start; du, dv
 and dh are never touched (any tensors of shape (1, 1, 1, 1)). Unchained: the reverse pass over the program's
 segment from zero (the exact route's F). Chained: the run is the walk alone, from the segment's end (no own
-chunks): its dh0 is the segment's dS_end from a warm-up over the walked chunks after it, read in place (the
-fixed warm-up's walks, or the chained route's).
+chunks): its dh0 is the segment's dS_end from a lead-in over the walked chunks after it, read in place (the
+fixed lead-in's walks, or the chained route's).
 
 Rows past a sequence's end: the side warpgroup zeroes them in all three hand-over tiles, so dU's rows there
 are zero; Tb's rows there still reach dX through Tb^T dU (times zero), which is why the forward writes Tb
@@ -36,7 +36,7 @@ with zeros past cu_seqlens[-1] (an unwritten row could hold NaN).
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds
+from .sequence_macros import sequence_bounds
 
 CHUNK = 64
 THREADS = 384

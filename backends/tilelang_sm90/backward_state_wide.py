@@ -45,7 +45,7 @@ end (walk == after[n]), else from zero; the walk's chunks store nothing. `gate` 
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds
+from .sequence_macros import sequence_bounds
 
 CHUNK = 64
 THREADS = 384

@@ -33,7 +33,7 @@ class Config:
     # 16/32 1x32768: 537 MB per layer, alive from a layer's forward to its backward) instead of recomputing it with
     # one more state pass (~0.3-0.6 ms, H200), as FLA and FlashQLA do. GDNKIT_SM90_KEEP_STATES=1
     keep_states: bool = False
-    # programs an SM of the fused backward's recompute (S0 and X, no output) at 64 columns: 2 (state_output_ws.py's
+    # programs an SM of the fused backward's recompute (S0 and X, no output) at 64 columns: 2 (state_output_narrow.py's
     # per_sm build, X made in V's stage tile) or 1. GDNKIT_SM90_RECOMPUTE_PER_SM
     recompute_per_sm: int = 2
     # -- context parallelism: segments and routes (plan.py) --
@@ -57,9 +57,9 @@ class Config:
     # The chained route costs each segment only the chunks its heads walk, not ~1.3 output passes, so segments pay
     # with fewer idle SMs: cut when the narrowest programs leave >= 1 SM each (8/32 with one long sequence); below
     # sms_per_program the forward and the backward take the chained route.
-    warmup_sms_per_program: int = 1
+    lead_in_sms_per_program: int = 1
     # False: always the exact route where segments are cut (tests of the propagator path)
-    warmup_route: bool = True
+    lead_in_route: bool = True
     # Forced rules, for tests on a CPU (no SMs to fill) and A/Bs; None: the rule decides. exact_route_pays: whether
     # cut segments take the gated / exact route (else the chained one); wide_segment_chunks: the wide route's
     # segments in one wave (0: none); wide_waves_segment_chunks: (chunks per segment, waves) in several
@@ -82,9 +82,9 @@ class Config:
     # the segments in waves are cut only where their estimate is at most this fraction of the plain pass's: the
     # estimate leaves out the pick's and the walks' launches and the walks beyond wave_step_overhead
     waves_margin: float = 0.8
-    # -- the decay bound (warmup.py) --
+    # -- the decay bound (lead_in.py) --
     log_bound: float = -12.0
-    # Chunks per fixed warm-up: the quick grid's gates (logsigmoid(randn), ~0.8 a token) settle in one; model-like
+    # Chunks per fixed lead-in: the quick grid's gates (logsigmoid(randn), ~0.8 a token) settle in one; model-like
     # gates' median head in 2-3, their slowest in 76-175 (the bench's --gates model), which no short window
     # reaches.
     first_window: int = 4

@@ -11,16 +11,17 @@ SM count: at most three builds per key). Token count, sequence count and chunk c
 The intra kernel writes Tb = T diag(beta) (64 values per token and value head) and gamma; the state pass
 makes the chunk's new values U = Tb (V - diag(Gamma) K S) on chip (H200, docs/performance.md: 16/64 1x32768 2.38 ->
 2.16 ms against writing W and U' and reading them back). Its kernels, picked by the V tile:
-- BV = 32 / 64: state_output_ws.py, three warpgroups (TMA producer, state chain, output), so chunk i's
+- BV = 32 / 64: state_output_narrow.py, three warpgroups (TMA producer, state chain, output), so chunk i's
   output overlaps chunk i + 1's state update. Passes that store S0 (training) always run here.
 - BV = 128 for an inference pass with one program per (sequence, head) filling >= 70% of the SMs:
   state_output_wide.py, split by product (owner of S, x making U = U' - W S, output + loads), which reads
   Q, K and Tb once per head and keeps two products on the chain (H200, docs/performance.md, state pass ms, wide / BV 64:
   16/64 4096x8 0.723 / 1.045, 8/32 0.365 / 0.524, 4/16 0.185 / 0.264; with 64 programs it loses: 2/8 4096x8
   0.179 / 0.135 at BV 32, 16/64 1x32768 1.393 / 1.035).
-- BV = 128 forced (config.block_v) for training: state_output.py, one consumer pair on TileLang's pipeliner.
+- BV = 128 forced (config.block_v) for training: state_output_pipelined.py, one consumer pair on TileLang's
+  pipeliner.
 Few long sequences also get context parallelism (context_parallel.py): segments whose initial states come
-from a short warm-up through the same state kernel where the gates decay (warmup.py), else from the TileLang
+from a short lead-in through the same state kernel where the gates decay (lead_in.py), else from the TileLang
 propagator and a segment scan (the gated route), or from the state pass itself, each program walking back over
 the chunks before its segment as far as the decay bound needs (the chained route).
 
@@ -35,9 +36,9 @@ import torch
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
-from . import config, context_parallel, plan as planner, warmup
+from . import config, context_parallel, lead_in, plan as planner
 from .kernel_build import kernel_factory
-from .plan import WS_BLOCK_V, Plan
+from .plan import NARROW_BLOCK_V, Plan
 
 CHUNK = 64
 # wgmma and TMA need the arch-specific sm_90a target (plain sm_90 has neither).
@@ -47,7 +48,7 @@ TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Launch settings of the state pass (the planning knobs are config.Config's, the V tiles plan.py's)
 # its TMA ring depth per V tile (H200, docs/performance.md, state kernel ms at 3 / 2 stages): 4/16 1x32768
 # (BV = 32) 0.784 / 0.874; 16/64 1x32768 (BV = 64) 1.399 / 1.342
-WS_STAGES = {32: 3, 64: 2}
+NARROW_STAGES = {32: 3, 64: 2}
 # the pipelined kernel at BV = 128: S [128, 128] fp32 needs two consumer warpgroups to stay spill-free
 # (ptxas: 168 registers, no spills at 256 threads)
 PIPELINED_THREADS = 256
@@ -75,39 +76,41 @@ def _initial_states(p: Plan, plan, k, a, v, gamma, g, beta, h0, problem: Problem
                     row_bounds: torch.Tensor | None = None):
     """(the segments' initial states, the route, the chained route's walks or None), or (None, None, None) for
     no segments; nothing is read back, so CUDA graphs capture every route. Where the exact route pays
-    (plan.exact_route_pays): the gated route, a warm-up of fixed length for every segment, the
+    (plan.exact_route_pays): the gated route, a lead-in of fixed length for every segment, the
     device's flags of the (segment, head) pairs it left outside the bound, and the exact route's kernels launched
-    behind it and run only for those (the segment scan takes each warm state or the transition's); the initial
-    states are [n_seg, HV, K, V] fp32. Elsewhere the chained route: the walks (warmup.walk_lengths) go to the
-    pass over segments, whose programs warm up inline (state_output_ws.py); the initial states are each segment's
-    sequence's h0 (None without one), for walks that reach the sequence's start. The route is the plan's.
-    row_bounds: the walks' chunk sums as the intra kernel wrote them (emit_bound), else the search sums them."""
+    behind it and run only for those (the segment scan takes each lead-in state or the transition's); the initial
+    states are [n_seg, HV, K, V] fp32. Elsewhere the chained route: the walks (lead_in.walk_lengths) go to the
+    pass over segments, whose programs walk their lead-in inline (state_output_narrow.py); the initial states are
+    each segment's sequence's h0 (None without one), for walks that reach the sequence's start. The route is the
+    plan's. row_bounds: the walks' chunk sums as the intra kernel wrote them (emit_bound), else the search sums them."""
     dev, H, HV, K, V, N = k.device, k.shape[2], problem.HV, problem.K, problem.V, problem.N
     dt = TORCH_TO_TL[problem.dtype]
     log_bound = p.config.log_bound
     if p.initial_states == "chained":
-        walk = warmup.walk_lengths(plan.warmup, g, k, beta, row_sums=row_bounds, log_bound=log_bound)
+        walk = lead_in.walk_lengths(plan.lead_in, g, k, beta, row_sums=row_bounds, log_bound=log_bound)
         if intermediates is not None:
             intermediates.update(walk_lengths=walk)
         init = None if h0 is None else h0.index_select(0, plan.walks.seq_of)
         return init, "chained", (walk, plan.walks.before)
     if p.initial_states == "gated":
-        warm = warmup.run_states(plan.gated, h0, (HV, K, V), dev, _warmup_runner(p, problem, k, a, v, gamma))
-        need = warmup.transitions_needed(plan.warmup, g, k, beta, plan.window, log_bound=log_bound)
+        lead_in_states = lead_in.run_states(plan.gated, h0, (HV, K, V), dev,
+                                            _lead_in_runner(p, problem, k, a, v, gamma))
+        need = lead_in.transitions_needed(plan.lead_in, g, k, beta, plan.window, log_bound=log_bound)
         if intermediates is not None:
             intermediates.update(transitions_needed=need)
         gate, route = need, "gated"
     else:
-        warm, need, gate, route = None, None, open_gate(dev, HV), "exact"
+        lead_in_states, need, gate, route = None, None, open_gate(dev, HV), "exact"
     aug = torch.empty(plan.segments.n_seg, HV, K, V + K, device=dev, dtype=torch.float32)
     propagator_kernel(H, HV, dt)(k, a, v, gamma, plan.segments.cu_seqlens, plan.chunk_offsets, aug, gate)
-    s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, need=need, warm=warm)
+    s0, _ = context_parallel.segment_states(plan, aug, h0, N, False, k.dtype, need=need,
+                                            lead_in_states=lead_in_states)
     return s0, route, None
 
 
 @functools.lru_cache(maxsize=16)
 def open_gate(device: torch.device, HV: int) -> torch.Tensor:
-    """The gate of the propagator and the reverse pass where no warm-up decides: one row of ones, every CTA runs
+    """The gate of the propagator and the reverse pass where no lead-in decides: one row of ones, every CTA runs
     (never written)."""
     return torch.ones(1, HV, dtype=torch.int32, device=device)
 
@@ -118,8 +121,8 @@ def no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.zeros(1, HV, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _warmup_runner(p: Plan, problem: Problem, k, a, v, gamma):
-    """run(launch, init) for warmup.run_states: the state pass over the gathered warm-up chunks; their O is not
+def _lead_in_runner(p: Plan, problem: Problem, k, a, v, gamma):
+    """run(launch, init) for lead_in.run_states: the state pass over the gathered lead-in chunks; their O is not
     used (k stands in for q), their final states are the segments' S0."""
     def run(w, init):
         kw, aw, vw = k[:, w.tokens], a[:, w.tokens], v[:, w.tokens]
@@ -135,14 +138,14 @@ def _jit():
     """The tilelang.jit wrappers, built on first use (importing this module needs no tilelang)."""
     import tilelang
 
-    from . import intra_chunk, propagator, state_output, state_output_wide, state_output_ws
+    from . import intra_chunk, propagator, state_output_narrow, state_output_pipelined, state_output_wide
 
     def jit(module, program):
         return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
 
     return (jit(intra_chunk, intra_chunk.intra_chunk_program),
-            jit(state_output, state_output.state_output_program),
-            jit(state_output_ws, state_output_ws.state_output_program),
+            jit(state_output_pipelined, state_output_pipelined.state_output_pipelined_program),
+            jit(state_output_narrow, state_output_narrow.state_output_narrow_program),
             jit(propagator, propagator.propagator_program),
             jit(state_output_wide, state_output_wide.state_output_wide_program))
 
@@ -160,8 +163,9 @@ def _tma_aligned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pipelined(block_v: int, store_states: bool) -> bool:
-    """Whether a pass runs state_output.py (the only state kernel without the chained route's walk arguments)."""
-    return block_v not in WS_BLOCK_V and store_states
+    """Whether a pass runs state_output_pipelined.py (the only state kernel without the chained route's walk
+    arguments)."""
+    return block_v not in NARROW_BLOCK_V and store_states
 
 
 @kernel_factory
@@ -172,9 +176,9 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
     stored, else the pipelined one (both always write O; the pipelined one walks nothing: no chained runs).
     store_x: the recompute that also leaves X for the fused backward (three warpgroups only); per_sm: its
     programs an SM (recompute_per_sm)."""
-    if block_v in WS_BLOCK_V:
+    if block_v in NARROW_BLOCK_V:
         return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v, stages=WS_STAGES[block_v], store_states=store_states,
+                         block_v=block_v, stages=NARROW_STAGES[block_v], store_states=store_states,
                          emit_output=emit_output, chained=chained, store_x=store_x, per_sm=per_sm)
     assert emit_output and not store_x and per_sm == 1, "the 128-column state passes always write O, never X"
     if not _pipelined(block_v, store_states):
@@ -220,7 +224,7 @@ def _state_pass(p: Plan, launch: StateLaunch, problem: Problem, q, k, a, v, gamm
     placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
     stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)               # a tensor argument never touched
     block_v = block_v or planner.state_block_v(launch.n, HV, p.sms, p.config, wide=o is not None and hs is None)
-    emit = o is not None or block_v not in WS_BLOCK_V
+    emit = o is not None or block_v not in NARROW_BLOCK_V
     if o is None and emit:
         o = torch.empty_like(v)
     store_x = xs is not None   # (state_output_kernel and the program assert the build it needs)
@@ -242,7 +246,7 @@ class Saved:
     q: torch.Tensor               # after the prologue
     k: torch.Tensor
     v: torch.Tensor
-    g: torch.Tensor               # fp32, natural log (the backward's warm-up bound)
+    g: torch.Tensor               # fp32, natural log (the backward's lead-in bound)
     beta: torch.Tensor            # fp32
     h0: torch.Tensor | None       # fp32, [N, HV, K, V]
     a: torch.Tensor               # Tb
@@ -258,7 +262,7 @@ class Saved:
     dt_bias: torch.Tensor | None
     dtypes: dict
     # the decay bound's log per chunk-table row and value head, [num_chunks, HV] fp32, where the forward's route had
-    # the intra kernel write it (emit_bound): the backward's warm-up search reads it instead of summing K again
+    # the intra kernel write it (emit_bound): the backward's lead-in search reads it instead of summing K again
     row_bounds: torch.Tensor | None = None
     plan: Plan | None = None      # the call's Plan: the backward follows its backward fields
 

@@ -61,7 +61,7 @@ def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int, dtype: torch
     qk l2norm ([1, total, H, K] and [1, total, H, 1] fp32, or any shape of the same elements): the sums are then
     the gradients of the normalised q and k, and each leaves as its raw input's, rstd (dy - y (y . dy)) with y
     made again from x and rstd, still in fp32, so that nothing is written in fp32 for the prologue's backward to
-    read again (gdnkit/prologue.py's torch form, and triton_generic/l2norm.py's pass: 2.1 -> 1.1 GB moved at
+    read again (gdnkit/prologue.py's torch form, and triton_shared/l2norm.py's pass: 2.1 -> 1.1 GB moved at
     16/32 1x32768)."""
     n_chunks, HV, _, C, K = dqk.shape
     assert (C, K) == (64, 128), "slot_offset's order is for [64, 128] slots"

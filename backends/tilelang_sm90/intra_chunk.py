@@ -6,7 +6,7 @@
     T     = (I + A)^-1                                       (fp32, a two-level block inverse: see below)
     Tb    = T diag(beta)                                     (written in the inputs' dtype, [1, T, HV, 64])
 
-The state pass makes the new values from Tb on chip, U = Tb (V - diag(Gamma) K S) (state_output_ws.py), so
+The state pass makes the new values from Tb on chip, U = Tb (V - diag(Gamma) K S) (state_output_narrow.py), so
 W = T diag(beta Gamma) K and U' = T diag(beta) V are not written for it: per chunk and value head Tb is
 8 KB where W and U' were 32 KB written here and read back there (16/64 1x32768: ~1.07 GB each way).
 
@@ -126,9 +126,9 @@ def intra_chunk_program(H: int, HV: int, dtype: str = "bfloat16", emit_t: bool =
     emit_t (training): also write T itself to `tm` ([1, T, HV, 64], the backward's dbeta needs T where beta
     is 0); otherwise `tm` is a 1-element placeholder that the kernel never touches.
     emit_bound (the chained and wide routes): also write, per chunk-table row and value head, the decay bound's
-    log summed over the chunk's tokens, sum_t g_t + log max(1, |1 - beta_t ||k_t||^2|) (warmup.py's bound), to
+    log summed over the chunk's tokens, sum_t g_t + log max(1, |1 - beta_t ||k_t||^2|) (lead_in.py's bound), to
     `bound` ([num_chunks, HV] fp32), which the walks' search then reads instead of loading K again
-    (warmup_bound._row_bounds_kernel: 0.032 ms of 16/64 1x32768's forward). beta_t ||k_t||^2 is the diagonal
+    (lead_in_bound._row_bounds_kernel: 0.032 ms of 16/64 1x32768's forward). beta_t ||k_t||^2 is the diagonal
     of diag(beta) K K^T, kept in A's diagonal blocks; the chunk's sum of g is gamma at its last row."""
     # ---- tile shapes (fixed by the algebra at K = V = 128) ----
     C = CHUNK        # chunk length: rows of every tile; A and T are C x C

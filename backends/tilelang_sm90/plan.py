@@ -4,14 +4,14 @@ heads, the SM count and the Config (config.py), never from the data.
 The Plan holds every host decision of the forward and the backward (docs/sm90-design.md, "Routes"):
 - the route: plain (no segments), wide (the chained route at 128 columns in one wave of segments, the plain pass
   launched beside it and the device picking), waves (the same in several waves, inference only), chained, gated or
-  exact (segments at 32 / 64 columns, each segment's entering state by walks, by a fixed warm-up checked on the
+  exact (segments at 32 / 64 columns, each segment's entering state by walks, by a fixed lead-in checked on the
   device with the exact kernels behind it, or by the exact kernels alone);
-- the segments (chunks per segment, their count) and the gated warm-up's window;
+- the segments (chunks per segment, their count) and the gated lead-in's window;
 - each state pass's V tile, whether the intra kernel writes the walks' chunk sums (emit_bound);
 - for training: the backward's path (fused or staged), its segments and route, the reverse pass's V tile, whether
   the S0 recompute runs beside it, and the recompute's tiles.
 
-What depends on the data (how fast the gates decay) is decided on the device (warmup_bound.py, context_parallel.
+What depends on the data (how fast the gates decay) is decided on the device (lead_in_bound.py, context_parallel.
 pick), so nothing here reads a tensor and CUDA graphs capture every route. forward.py and backward.py follow the
 Plan; the rules below are the only place each decision is made.
 """
@@ -25,9 +25,9 @@ from gdnkit.seqlayout import SequenceLayout
 
 from .config import Config
 
-# V tiles run by the three-warpgroup state kernel (state_output_ws.py); 128 columns run state_output_wide.py (or,
-# storing S0, the pipelined state_output.py)
-WS_BLOCK_V = (32, 64)
+# V tiles run by the three-warpgroup state kernel (state_output_narrow.py); 128 columns run state_output_wide.py (or,
+# storing S0, state_output_pipelined.py)
+NARROW_BLOCK_V = (32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Plan:
     segment_chunks: int | None      # chunks per segment (None: plain)
     n_segments: int                 # segments (N where plain)
     waves: int                      # the wide route's waves of the SMs (0: not the wide route)
-    window: int                     # the gated route's fixed warm-up, chunks (0 where plain)
+    window: int                     # the gated route's fixed lead-in, chunks (0 where plain)
     emit_bound: bool                # the intra kernel writes the walks' chunk sums (the chained and wide routes)
     block_v: int                    # the forward's state pass (over segments where cut)
     plain_block_v: int | None       # the wide routes' pass without segments, launched beside
@@ -60,7 +60,7 @@ class Plan:
     backward_route: str | None = None       # the staged reverse pass: "plain", "chained", "gated" or "exact"
     reverse_block_v: int | None = None      # its V tile where the recompute does not run beside it
     recompute_beside: bool = False          # the staged path's S0 recompute on a side stream (64 columns both)
-    ds_only_block_v: int | None = None      # the gated route's reverse warm-up / exact passes
+    ds_only_block_v: int | None = None      # the gated route's reverse lead-in / exact passes
     recompute_block_v: tuple[int, ...] = ()  # the staged path's S0 recompute, per forward launch
     recompute_x: tuple[tuple[int, int], ...] = ()  # the fused path's S0 + X recompute: (V tile, programs an SM)
 
@@ -108,7 +108,7 @@ def _plan(layout: SequenceLayout, HV: int, train: bool, res: Resources, cfg: Con
         if waves or not exact_route_pays(layout, HV, sms, cfg):
             route = "chained" if chained_route_available(cfg) else "plain"
         else:
-            route = "gated" if cfg.warmup_route else "exact"
+            route = "gated" if cfg.lead_in_route else "exact"
         if route == "chained" and waves:
             route = "wide" if waves == 1 else "waves"
     if route == "plain":
@@ -140,7 +140,7 @@ def _backward(layout: SequenceLayout, HV: int, res: Resources, cfg: Config, rout
     recompute_x = []
     for n in launches:
         bv = block_v_split(n, HV, sms, cfg)
-        bv = bv if bv in WS_BLOCK_V else WS_BLOCK_V[-1]
+        bv = bv if bv in NARROW_BLOCK_V else NARROW_BLOCK_V[-1]
         recompute_x.append((bv, recompute_per_sm(bv, True, cfg)))
     return dict(fused_backward=fused_pays(layout, HV, sms, cfg, stores_states, res),
                 fused_segment_chunks=seg if route == "wide" else None, backward_route=backward_route,
@@ -168,9 +168,9 @@ def _segments(layout: SequenceLayout, HV: int, train: bool, res: Resources, cfg:
 
 
 def chained_route_available(cfg: Config) -> bool:
-    """Whether the chained route can run (forward and backward): it needs the decay bound (warmup_route) and a
+    """Whether the chained route can run (forward and backward): it needs the decay bound (lead_in_route) and a
     three-warpgroup state pass to walk in (a 32- or 64-column tile: not block_v forced to 128)."""
-    return cfg.warmup_route and (cfg.block_v or WS_BLOCK_V[0]) in WS_BLOCK_V
+    return cfg.lead_in_route and (cfg.block_v or NARROW_BLOCK_V[0]) in NARROW_BLOCK_V
 
 
 def wide_route_available(cfg: Config, res: Resources) -> bool:
@@ -179,7 +179,7 @@ def wide_route_available(cfg: Config, res: Resources) -> bool:
 
 
 def window(segment_chunks: int, cfg: Config) -> int:
-    """The fixed warm-up's length in chunks: first_window, or half a segment where that is less (each warm-up
+    """The fixed lead-in's length in chunks: first_window, or half a segment where that is less (each lead-in
     chunk lies on the critical path as a segment's own chunk does)."""
     return min(segment_chunks // 2, cfg.first_window)
 
@@ -249,7 +249,7 @@ def segment_chunks(layout: SequenceLayout, HV: int, sms: int, cfg: Config) -> in
     1x8192: 16 chunks 0.21 ms, 8 chunks 0.24 ms."""
     if cfg.segment_chunks is not None:
         return cfg.segment_chunks or None
-    if sms == 0 or _narrowest_programs(layout, HV) * cfg.warmup_sms_per_program > sms:
+    if sms == 0 or _narrowest_programs(layout, HV) * cfg.lead_in_sms_per_program > sms:
         return None
     longest = max(layout.chunk_counts, default=0)
     per_sequence = max(1, sms // (2 * len(layout.lengths) * HV))

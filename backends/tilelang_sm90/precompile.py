@@ -30,7 +30,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     passes its segments' gated route runs, `both` all of them (backward.fused_pays picks either per call)."""
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
-    from .forward import WS_BLOCK_V, recompute_per_sm
+    from .forward import NARROW_BLOCK_V, recompute_per_sm
 
     flags = (False, True)
     # the last flag: emit_bound (the chained and wide routes' walks read the intra kernel's chunk sums)
@@ -38,7 +38,7 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
     # the last arguments: chained (context parallelism's chained route), store_x (the fused backward's recompute),
     # its programs an SM (forward.recompute_per_sm; 1 for every other pass)
     jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, False, True, chained, False, 1))
-             for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]
+             for h0, ht, bv, chained in itertools.product(flags, flags, NARROW_BLOCK_V, flags)]
     # the wide kernel: passes without S0 stores whose (sequence or segment, head) programs fill the SMs
     jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, 128, False, True, chained, False, 1))
              for h0, ht, chained in itertools.product(flags, flags, flags)]
@@ -49,16 +49,16 @@ def family(H: int, HV: int, dtype: str, training: bool = True, backward: str = "
         stores_x = {"staged": (False,), "fused": (True,), "both": flags}[backward]
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, False, bv, True, False, chained, x,
                                                         recompute_per_sm(bv, x)))
-                 for h0, bv, chained, x in itertools.product(flags, WS_BLOCK_V, flags, stores_x)]
+                 for h0, bv, chained, x in itertools.product(flags, NARROW_BLOCK_V, flags, stores_x)]
         jobs += [Job("forward", "state_output_kernel", (H, HV, dtype, h0, ht, bv, True, True, chained, False, 1))
-                 for h0, ht, bv, chained in itertools.product(flags, flags, WS_BLOCK_V, flags)]   # keep_states
+                 for h0, ht, bv, chained in itertools.product(flags, flags, NARROW_BLOCK_V, flags)]   # keep_states
         if backward != "fused":
             jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, dh0, bv, chained, False))
-                     for dht, dh0, bv, chained in itertools.product(flags, flags, WS_BLOCK_V + (128,), flags)]
-        # the gated route's passes (both paths' segments): its exact pass per segment and its fixed warm-up, walked
+                     for dht, dh0, bv, chained in itertools.product(flags, flags, NARROW_BLOCK_V + (128,), flags)]
+        # the gated route's passes (both paths' segments): its exact pass per segment and its fixed lead-in, walked
         # from each segment's end from zero or dht, each storing only its dS (ds_only)
         jobs += [Job("backward", "backward_state_kernel", (H, HV, dtype, dht, True, bv, chained, True))
-                 for dht, bv, chained in itertools.product(flags, WS_BLOCK_V + (128,), flags) if chained or not dht]
+                 for dht, bv, chained in itertools.product(flags, NARROW_BLOCK_V + (128,), flags) if chained or not dht]
         if backward != "fused":
             # dq / dk written in the inputs' dtype, or fp32 where the l2norm backward follows
             jobs += [Job("backward", "chunk_grads_kernel", (H, HV, dtype, grads)) for grads in (dtype, "float32")]

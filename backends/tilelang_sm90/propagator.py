@@ -4,7 +4,7 @@ A segment of a sequence maps its initial state S_0 to its final state linearly:
 
     S_end = P S_0 + E        P [K, K], E [K, V]
 
-The chain of state_output_ws.py, S -> Gamma_C S + K^T diag(Gamma_C / Gamma) Tb (V - diag(Gamma) K S), is
+The chain of state_output_narrow.py, S -> Gamma_C S + K^T diag(Gamma_C / Gamma) Tb (V - diag(Gamma) K S), is
 linear in (S, V). E is it run from S_0 = 0, and P it run on the K x K identity with V = 0. So one program
 runs the state chain alone, with no output, on a BV-wide column tile of [E | P]: tiles left of V start from
 zeros and read V, tiles right of it start from identity columns and read no V. It reads what the plain
@@ -14,7 +14,7 @@ holds 0 for its (segment, head): the gated route launches it always and lets the
 their transition (forward._initial_states).
 
 Two warpgroups: a TMA producer (K, Tb, V and gamma of chunk i into stage i % 2) and the state chain,
-on the same two 2-slot mbarrier rings as state_output_ws.py:
+on the same two 2-slot mbarrier rings as state_output_narrow.py:
     loaded[s]  producer -> chain: stage s holds chunk i (TMA bytes + 128 producer arrivals)
     freed[s]   chain -> producer: stage s may be overwritten (128 arrivals; its wait uses the flipped
                parity, so round 0 passes at once)
@@ -22,7 +22,7 @@ on the same two 2-slot mbarrier rings as state_output_ws.py:
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds
+from .sequence_macros import sequence_bounds
 
 CHUNK = 64
 THREADS = 256

@@ -17,7 +17,7 @@ and one hand-over each way, where the Tb form needs three products and two eleme
                                 chunk i + STAGES into stage i % STAGES once the three roles are done with chunk
                                 i there (it reads each stage last, and its work is off the chain)
 
-Against state_output_ws.py (one state warpgroup per 64 columns, two programs per head): each product is issued
+Against state_output_narrow.py (one state warpgroup per 64 columns, two programs per head): each product is issued
 once at full width, and Q, K and Tb are loaded once per head and chunk instead of twice (56 KB a chunk instead
 of 96), which is what limits 128 programs of the 64-column kernel together (~3.8 TB/s, docs/performance.md).
 
@@ -37,13 +37,13 @@ The output waits freed[s] (the owner's K_d^T U done) before it stages O over U.
 
 forward.py takes it for passes without S0 stores whose (sequence or segment, head) programs fill 70% of the SMs
 (plan.state_block_v), and for the wide route's segments (plan.wide_segment_chunks); the
-pipelined state_output.py keeps the training builds that store S0. The chained build walks back before each
-segment as state_output_ws.py's does; the walk's chunks have no output.
+pipelined state_output_pipelined.py keeps the training builds that store S0. The chained build walks back before each
+segment as state_output_narrow.py's does; the walk's chunks have no output.
 """
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds, walked_run
+from .sequence_macros import sequence_bounds, walked_run
 
 CHUNK = 64
 THREADS = 384
@@ -55,7 +55,7 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
                               store_final_state: bool = False, chained: bool = False, K: int = 128, V: int = 128):
     """The TileLang prim_func (symbolic token, sequence and chunk counts; `scale` a runtime argument). chained: the
-    programs run over segments and first walk back walk[n, hv] chunks, state only, as state_output_ws.py's
+    programs run over segments and first walk back walk[n, hv] chunks, state only, as state_output_narrow.py's
     chained build does (from h0 where walk == before[n], else from zero); unchained builds never read walk /
     before."""
     C = CHUNK
@@ -96,7 +96,7 @@ def state_output_wide_program(H: int, HV: int, dtype: str = "bfloat16", has_init
         o: T.Tensor((1, num_tokens, HV, V), dtype),
         ht: T.Tensor((num_ht, HV, K, V), accum),
         scale: T.float32,
-        hs: T.Tensor((1, 1, 1, 1), dtype),     # state_output.py's contract: S0 per chunk, never stored here
+        hs: T.Tensor((1, 1, 1, 1), dtype),     # state_output_pipelined.py's contract: S0 per chunk, never stored here
         walk: T.Tensor((num_walk, HV), "int32"),
         before: T.Tensor((num_walk,), "int32"),
     ):

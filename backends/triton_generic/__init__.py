@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from gdnkit.dispatch import Backend, Machine, register
-from gdnkit.dispatch.requirements import cuda_tensor_reasons, gpu_reasons, package_reasons
-from gdnkit.problem import GDNGrads, GDNInputs, Problem
+from gdnkit.dispatch import Backend, register
+from gdnkit.dispatch.support import Support
+from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, GDNGrads, GDNInputs, Problem
 
-HEAD_DIMS = (64, 128, 256)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-NEEDS = "compute capability >= 8.0"
-
-
-def _accepts(capability: tuple[int, int]) -> bool:
-    return capability >= (8, 0)
+SUPPORT = Support(
+    devices=("cuda",), packages=("triton",), min_capability=(8, 0),
+    dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dims=(64, 128, 256), modes=(CHUNK_MODE, RECURRENT_MODE),
+    # a serving pool may store bf16 / fp16 states (the kernels compute in fp32); dense states are fp32
+    state_dtypes=(torch.float32,), pool_state_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    why={"dtype": "float64 runs on the reference"})
 
 
 class TritonGenericBackend(Backend):
@@ -23,27 +22,8 @@ class TritonGenericBackend(Backend):
     priority = 50
     description = ("Triton kernels for any CUDA GPU (sm80+): chunked WY form (chunk 64) forward and backward, "
                    "fused recurrent decode with the serving state pool")
-    serves_state_pool = True
-
-    def unavailable_reasons(self, machine: Machine) -> list[str]:
-        return package_reasons(machine, "triton") + gpu_reasons(machine, _accepts, NEEDS)
-
-    def supports(self, problem: Problem, machine: Machine) -> list[str]:
-        reasons = cuda_tensor_reasons(problem, machine, _accepts, NEEDS)
-        if problem.dtype == torch.float64:
-            reasons.append("float64 runs on the reference")
-        elif problem.dtype not in DTYPES:
-            reasons.append(f"dtype {problem.dtype} is not one of bfloat16, float16, float32")
-        if problem.K not in HEAD_DIMS:
-            reasons.append(f"key head dim K={problem.K} is not one of {HEAD_DIMS}")
-        if problem.V not in HEAD_DIMS:
-            reasons.append(f"value head dim V={problem.V} is not one of {HEAD_DIMS}")
-        # A serving pool may store bf16/fp16 states (the decode kernel computes in fp32); dense states are fp32.
-        state_dtypes = (torch.float32, torch.bfloat16, torch.float16) if problem.serving else (torch.float32,)
-        if problem.state_dtype is not None and problem.state_dtype not in state_dtypes:
-            reasons.append(f"initial_state must be {' or '.join(str(d)[6:] for d in state_dtypes)} here, "
-                           f"got {problem.state_dtype}")
-        return reasons
+    support = SUPPORT
+    serves_state_pool = SUPPORT.serving
 
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
         from . import chunked

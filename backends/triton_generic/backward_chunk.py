@@ -16,9 +16,10 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision, grid_3d
-from .launch import launch
-from .sizes import cdiv, flat_grid, next_power_of_2
+from ..triton_shared.jit_helpers import chunk_rows, decay, dot_precision, grid_3d
+from ..triton_shared.launch import launch
+from ..triton_shared.sizes import cdiv, flat_grid, next_power_of_2
+
 
 # K block width of the per-chunk gradient kernel (see backward_chunk); a knob for GPU A/B runs.
 BLOCK_K = 64

@@ -14,9 +14,10 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision, grid_2d, grid_3d, sequence_bounds, state_tile
-from .launch import launch
-from .sizes import cdiv, flat_grid, next_power_of_2
+from ..triton_shared.jit_helpers import chunk_rows, decay, dot_precision, grid_2d, grid_3d, sequence_bounds, state_tile
+from ..triton_shared.launch import launch
+from ..triton_shared.sizes import cdiv, flat_grid, next_power_of_2
+
 
 
 @triton.jit(do_not_specialize=["T", "N0", "N1"])

@@ -13,9 +13,10 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision, grid_2d
-from .launch import launch
-from .sizes import flat_grid, next_power_of_2
+from ..triton_shared.jit_helpers import chunk_rows, decay, dot_precision, grid_2d
+from ..triton_shared.launch import launch
+from ..triton_shared.sizes import flat_grid, next_power_of_2
+
 
 # Block widths of the WY gradient kernel (see backward_wy); knobs for GPU A/B runs.
 BLOCK_K = 64

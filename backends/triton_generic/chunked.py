@@ -2,7 +2,7 @@
 
 Forward: intra_chunk (cumsum + K K^T + solve + W/U') -> state_pass (fused with the output when the
 state pass alone fills the GPU, else it writes per-chunk states and output.py runs over all chunks).
-With few long sequences the state pass runs context parallel (context_parallel.py).
+With few long sequences the state pass runs context parallel (triton_shared/segments.py).
 Backward recomputes W, U', T and the per-chunk states from the saved inputs (nothing chunk-sized is
 kept between forward and backward), then: backward_state (reverse pass, context parallel like the
 forward) -> backward_chunk -> backward_wy.
@@ -17,16 +17,15 @@ import torch
 from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNGrads, GDNInputs, Problem
 
-from . import context_parallel
-from ._common import CHUNK, dot_precision
+from ..triton_shared.jit_helpers import CHUNK, dot_precision
+from ..triton_shared.segments import Segments, cut_segments, segment_scan
+from ..triton_shared.sizes import cdiv, next_power_of_2
 from .backward_chunk import backward_chunk
 from .backward_state import backward_state, local_du
 from .backward_wy import backward_wy
 from .intra_chunk import intra_chunk
 from .output import output
-from .context_parallel import Segments
 from .state_pass import NewValues, PoolSlots, state_pass
-from .sizes import cdiv, next_power_of_2
 
 # "auto" | "always" | "never": whether the forward computes the output inside the state pass.
 FUSE_OUTPUT = "auto"
@@ -123,13 +122,13 @@ def plan(problem: Problem, cu_seqlens, device: torch.device, fusable: bool = Tru
     """How the sequential passes run: context parallel or not, V block width, output fused or not.
 
     Their programs (sequence or segment x value head x V block) each walk a whole sequence (segment).
-    Few of them: cut sequences into segments (context_parallel.py). Still fewer than SMs: narrower V
+    Few of them: cut sequences into segments (triton_shared/segments.py). Still fewer than SMs: narrower V
     blocks buy parallelism (each re-reads its chunk's W and K, from L2). Fusing the output serialises its
     work behind the recurrence; it pays only once the programs about cover the SMs at the widest block."""
     widest = _widest(problem.K, problem.V)
     sms = SM_COUNT if SM_COUNT is not None else (_sm_count(device.index or 0) if device.type == "cuda" else 0)
     seg = _segment_chunks(problem, cu_seqlens, device, sms)
-    segments = context_parallel.cut_segments(_layout(problem, cu_seqlens, device), seg) if seg else None
+    segments = cut_segments(_layout(problem, cu_seqlens, device), seg) if seg else None
     n = segments.n_seg if segments is not None else problem.N
     programs = lambda bv: n * problem.HV * cdiv(problem.V, bv)  # noqa: E731
     if not fusable:
@@ -165,8 +164,8 @@ def _states(problem: Problem, p: Plan, q, k, values: NewValues, gcum, h0, T, cu,
     aug = state_pass(q, k, values, gcum, problem.scale, None, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
                      index.n_chunks, False, False, fuse_output=False, store_h=False, store_vnew=False,
                      BV=aug_bv, propagator=True)[3]
-    s0, ht = context_parallel.segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, problem.state_v_first, want_ht,
-                                           dot_precision(k.dtype))
+    s0, ht = segment_scan(aug, h0, sg.seg_offsets, N, HV, K, V, problem.state_v_first, want_ht,
+                          dot_precision(k.dtype))
     o, h, vnew, _ = state_pass(q, k, values, gcum, problem.scale, s0, T, sg.n_seg, sg.cu_seqlens, sg.chunk_offsets,
                                index.n_chunks, False, False, **flags)
     return o, h, vnew, ht, aug
@@ -263,9 +262,8 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
             sg = p.segments
             _, _, f = backward_state(q, k, w, gcum, do, du, None, problem.scale, T, sg.n_seg, sg.cu_seqlens,
                                      sg.chunk_offsets, index.n_chunks, False, True, store=False, BV=p.block_v)
-            ds_end, dh0 = context_parallel.segment_scan(aug, dht, sg.seg_offsets, N, HV, K, V,
-                                                        problem.state_v_first, problem.has_initial_state,
-                                                        dot_precision(k.dtype), f=f)
+            ds_end, dh0 = segment_scan(aug, dht, sg.seg_offsets, N, HV, K, V, problem.state_v_first,
+                                       problem.has_initial_state, dot_precision(k.dtype), f=f)
             # the segments' [E | P] and F are dead: freed before dS is allocated (bwd 4/8 1x8192: -24 MiB at
             # that moment, one of the backward's two equal memory peaks)
             del f, aug

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from gdnkit.problem import GDNInputs, Problem
 
-from .sizes import cdiv, flat_grid, next_power_of_2
+from ..triton_shared.sizes import cdiv, flat_grid, next_power_of_2
 
 # State read: none (zeros), row n of a dense [N, ...] tensor, or a pool slot looked up in the indices.
 READ_NONE, READ_DENSE, READ_SLOT = 0, 1, 2

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import CHUNK, LOG2E, chunk_rows, decay, dot_precision, grid_2d
-from .launch import launch
-from .sizes import flat_grid, next_power_of_2
+from ..triton_shared.jit_helpers import CHUNK, LOG2E, chunk_rows, decay, dot_precision, grid_2d
+from ..triton_shared.launch import launch
+from ..triton_shared.sizes import flat_grid, next_power_of_2
+
 
 
 @triton.jit

@@ -8,9 +8,10 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import chunk_rows, decay, dot_precision, grid_3d
-from .launch import launch
-from .sizes import cdiv, flat_grid, next_power_of_2
+from ..triton_shared.jit_helpers import chunk_rows, decay, dot_precision, grid_3d
+from ..triton_shared.launch import launch
+from ..triton_shared.sizes import cdiv, flat_grid, next_power_of_2
+
 
 # V columns per program; every program also forms its chunk's Q K^T, so wider blocks form it fewer times.
 # 128 at 4 warps: 16/64 1x32768 1.49 -> 1.04 ms against 64 (H200, docs/performance.md); at 2 warps 128

@@ -16,9 +16,10 @@ import triton.language as tl
 
 from gdnkit.seqlayout import packed_output
 
-from ._common import decay, dot_precision, grid_2d, sequence_bounds, state_tile
-from .launch import launch
-from .sizes import cdiv, flat_grid
+from ..triton_shared.jit_helpers import decay, dot_precision, grid_2d, sequence_bounds, state_tile
+from ..triton_shared.launch import launch
+from ..triton_shared.sizes import cdiv, flat_grid
+
 
 
 @triton.jit

@@ -1,7 +1,7 @@
-"""The warm-ups of the sm90 context parallelism (backends/tilelang_sm90/warmup.py), in float64 on a CPU: where
-the device flags a segment's fixed warm-up as settled, its initial state from those chunks run from zero is
+"""The lead-ins of the sm90 context parallelism (backends/tilelang_sm90/lead_in.py), in float64 on a CPU: where
+the device flags a segment's fixed lead-in as settled, its initial state from those chunks run from zero is
 within e^LOG_BOUND of the exact one (exact where it reaches the sequence's start); the flags and the chained
-route's walk lengths against their definitions; the warm-up launch's gathers."""
+route's walk lengths against their definitions; the lead-in launch's gathers."""
 from __future__ import annotations
 
 import itertools
@@ -11,17 +11,17 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from gdnkit.backends.tilelang_sm90 import warmup
+from gdnkit.backends.tilelang_sm90 import lead_in
 from gdnkit.backends.tilelang_sm90.config import current
 
-pytest.importorskip("triton")  # the warm-up kernels run in Triton's interpreter on a CPU (the gpu extra)
+pytest.importorskip("triton")  # the lead-in kernels run in Triton's interpreter on a CPU (the gpu extra)
 
-CHUNK = warmup.CHUNK
-LOG_BOUND = current().log_bound   # the bound the warm-up functions take by default
+CHUNK = lead_in.CHUNK
+LOG_BOUND = current().log_bound   # the bound the lead-in functions take by default
 
 
 def _log_norm_bound(g, k, beta):
-    """log b_t per token and value head [tokens, HV] in float64: the bound's definition (warmup.py)."""
+    """log b_t per token and value head [tokens, HV] in float64: the bound's definition (lead_in.py)."""
     HV, H = g.shape[-1], k.shape[2]
     kk = (k[0].float() ** 2).sum(-1).double().repeat_interleave(HV // H, dim=1)     # ||k_t||^2 per value head
     return g[0].double() + (1 - beta[0].double() * kk).abs().clamp_min(1.0).log()
@@ -44,8 +44,8 @@ def _run(S, k, v, g, beta, lo, hi):
 @given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), window=st.integers(0, 6),
        rates=st.lists(st.sampled_from([1e-4, 0.05, 0.2, 1.0]), min_size=2, max_size=2),
        key_norm=st.sampled_from([1.0, 1.6]), beta_max=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
-def test_settled_warmup_states_are_within_the_bound(n_chunks, seg, window, rates, key_norm, beta_max, seed):
-    """Per segment and head, the warm-up of m = min(window, available) chunks: where transitions_needed leaves
+def test_settled_lead_in_states_are_within_the_bound(n_chunks, seg, window, rates, key_norm, beta_max, seed):
+    """Per segment and head, the lead-in of m = min(window, available) chunks: where transitions_needed leaves
     it unflagged (settled: the bound summed over its chunks <= LOG_BOUND, or it reaches the sequence's start),
     its state run from zero (from h0 where it reaches the start) is within e^bound of the true state; where it
     flags it, the bound says why. Keys of norm 1.6 and beta up to 2 stretch the maps."""
@@ -60,9 +60,9 @@ def test_settled_warmup_states_are_within_the_bound(n_chunks, seg, window, rates
     h0 = torch.randn(HV, Kd, Vd, generator=gen, dtype=torch.float64)
 
     starts = list(range(0, n_chunks, seg))          # one sequence cut every `seg` chunks
-    t = warmup.tables([s * CHUNK for s in starts] + [T], [0, len(starts)], starts, [0, T], torch.device("cpu"))
+    t = lead_in.tables([s * CHUNK for s in starts] + [T], [0, len(starts)], starts, [0, T], torch.device("cpu"))
     log_b = _log_norm_bound(g, k, beta)
-    need = warmup.transitions_needed(t, g, k, beta, window)
+    need = lead_in.transitions_needed(t, g, k, beta, window)
 
     for j, s in enumerate(starts[1:], start=1):
         x0 = s * CHUNK
@@ -71,15 +71,15 @@ def test_settled_warmup_states_are_within_the_bound(n_chunks, seg, window, rates
         bound = log_b[x:x0].sum(0)                  # per head
         exact = m == s
         for hv in range(HV):
-            if need[j - 1, hv]:                     # flagged: the warm-up falls short, by the bound
+            if need[j - 1, hv]:                     # flagged: the lead-in falls short, by the bound
                 assert not exact and bound[hv] > LOG_BOUND
                 continue
             assert exact or bound[hv] <= LOG_BOUND
             kh, vh, gh, bh = k[0, :, hv // (HV // H)], v[0, :, hv], g[0, :, hv].tolist(), beta[0, :, hv].tolist()
             at_x = _run(h0[hv], kh, vh, gh, bh, 0, x)
             true = _run(at_x, kh, vh, gh, bh, x, x0)
-            warm = _run(h0[hv] if exact else torch.zeros(Kd, Vd, dtype=torch.float64), kh, vh, gh, bh, x, x0)
-            err = (warm - true).norm()
+            lead_in_states = _run(h0[hv] if exact else torch.zeros(Kd, Vd, dtype=torch.float64), kh, vh, gh, bh, x, x0)
+            err = (lead_in_states - true).norm()
             assert err <= math.exp(bound[hv]) * at_x.norm() * (1 + 1e-9) + 1e-12, (err, bound[hv])
             if exact:
                 assert err <= 1e-12 * (1 + true.norm())
@@ -103,7 +103,7 @@ def _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed):
         rows += [row + (s - a) // CHUNK for s in starts]
         row += -(-(b - a) // CHUNK)
         seg_offsets.append(len(cuts))
-    return warmup.tables(cuts + [T], seg_offsets, rows, seq_starts, torch.device("cpu")), g, k, beta
+    return lead_in.tables(cuts + [T], seg_offsets, rows, seq_starts, torch.device("cpu")), g, k, beta
 
 
 @settings(max_examples=40, deadline=None)
@@ -116,7 +116,7 @@ def _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed):
 @example(lengths=[129], seg=1, window=1, heads=(1, 3), K=8, rate=1.0, beta_max=1.0, reverse=False, seed=0)
 @example(lengths=[129], seg=1, window=1, heads=(1, 3), K=8, rate=1.0, beta_max=1.0, reverse=True, seed=0)
 def test_needed_transitions_match_their_definition(lengths, seg, window, heads, K, rate, beta_max, reverse, seed):
-    """warmup.transitions_needed (the gated route's device flags): per segment j and value head, a warm-up of
+    """lead_in.transitions_needed (the gated route's device flags): per segment j and value head, a lead-in of
     m = min(window, available) chunks is settled if m reaches the sequence's boundary or the bound summed over
     those m chunks is <= LOG_BOUND; where it is not, the segment handing j its state (j - 1; j + 1 with reverse)
     is flagged. Against the bound in PyTorch; every other flag is 0."""
@@ -134,7 +134,7 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
             lo, hi = t.starts_host[j] - CHUNK * m, t.starts_host[j]
         unsettled = (m < avail) & (log_b[lo:hi].sum(0) > LOG_BOUND)
         want[j + 1 if reverse else j - 1] = unsettled.to(torch.int32)
-    got = warmup.transitions_needed(t, g, k, beta, window, reverse)
+    got = lead_in.transitions_needed(t, g, k, beta, window, reverse)
     assert got.dtype == torch.int32 and torch.equal(got, want)
     # from per-row sums (the training forward's intra kernel writes them, fp32): the same test over the same
     # chunks, read at each segment's rows (a wrong row or direction reads another chunk's sum)
@@ -148,7 +148,7 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
         first = int(t.end_rows[j]) if reverse else t.chunk_rows_host[j] - m
         total = rows[first:first + m].double().sum(0)
         want_rows[j + 1 if reverse else j - 1] = ((m < avail) & (total > LOG_BOUND)).to(torch.int32)
-    got = warmup.transitions_needed(t, g, k, beta, window, reverse, row_sums=rows)
+    got = lead_in.transitions_needed(t, g, k, beta, window, reverse, row_sums=rows)
     assert torch.equal(got, want_rows), (got, want_rows)
 
 
@@ -161,13 +161,13 @@ def test_needed_transitions_match_their_definition(lengths, seg, window, heads, 
 @example(lengths=[70 * CHUNK], seg=1, heads=(1, 3), K=8, rate=0.01, beta_max=1.0, reverse=False, seed=0)
 @example(lengths=[70 * CHUNK], seg=1, heads=(1, 3), K=8, rate=0.01, beta_max=1.0, reverse=True, seed=0)
 def test_walks_match_their_definition(lengths, seg, heads, K, rate, beta_max, reverse, seed):
-    """warmup.walk_lengths (the chained route's walks): per segment j and value head, the fewest whole chunks
+    """lead_in.walk_lengths (the chained route's walks): per segment j and value head, the fewest whole chunks
     next to it (before it; after it with reverse, a tail counting) whose bound summed nearest first is <=
     LOG_BOUND, or all the chunks to the sequence's boundary; 0 where there are none. Against the bound in
     PyTorch."""
     t, g, k, beta = _segmented_draw(lengths, seg, heads, K, rate, beta_max, seed)
     want = _walks_by_definition(t, _log_norm_bound(g, k, beta), reverse)
-    got = warmup.walk_lengths(t, g, k, beta, reverse)
+    got = lead_in.walk_lengths(t, g, k, beta, reverse)
     assert got.dtype == torch.int32 and torch.equal(got, want), (got, want)
 
 
@@ -203,19 +203,19 @@ def test_walks_read_on_while_any_head_lacks_its_count(reverse):
     g = (per_chunk / CHUNK).expand(1, g.shape[1], 4).clone()
     want = _walks_by_definition(t, _log_norm_bound(g, k, beta), reverse)
     assert want[:, 1].max() > 64 and want[:, 2].max() > 128   # the blocks the search must read
-    got = warmup.walk_lengths(t, g, k, beta, reverse)
+    got = lead_in.walk_lengths(t, g, k, beta, reverse)
     assert torch.equal(got, want), (got, want)
 
 
-def test_launch_gathers_each_warmup_as_its_own_sequence():
+def test_launch_gathers_each_lead_in_as_its_own_sequence():
     """Two sequences: segments 1 and 2 of the first need 2 and 1 chunks, the second's first segment none."""
-    t = warmup.tables([0, 192, 384, 500, 628], [0, 3, 4], [0, 3, 6, 8], [0, 500, 628], torch.device("cpu"))
-    w = warmup.launch(t, [0, 2, 1, 0], torch.device("cpu"))
+    t = lead_in.tables([0, 192, 384, 500, 628], [0, 3, 4], [0, 3, 6, 8], [0, 500, 628], torch.device("cpu"))
+    w = lead_in.launch(t, [0, 2, 1, 0], torch.device("cpu"))
     assert w.segments == (1, 2) and w.exact == (False, False)
     assert w.tokens.tolist() == list(range(64, 192)) + list(range(320, 384))
     assert w.chunk_rows.tolist() == [1, 2, 5]
     assert w.cu_seqlens.tolist() == [0, 128, 192] and w.chunk_offsets.tolist() == [0, 2, 3]
-    w = warmup.launch(t, [0, 3, 6, 0], torch.device("cpu"))   # both reach back to the sequence's start
+    w = lead_in.launch(t, [0, 3, 6, 0], torch.device("cpu"))   # both reach back to the sequence's start
     assert w.exact == (True, True) and w.chunk_rows.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5]
 
 
@@ -231,8 +231,8 @@ def _run_back(D, k, F, g, beta, hi, lo):
 @given(n_chunks=st.integers(3, 7), seg=st.integers(1, 3), window=st.integers(0, 6),
        rates=st.lists(st.sampled_from([1e-4, 0.05, 0.2, 1.0]), min_size=2, max_size=2),
        beta_max=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
-def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_max, seed):
-    """The backward's warm-up (warmup.reverse_warmup): each segment's dS_end from the fewest of min(window,
+def test_reverse_lead_in_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_max, seed):
+    """The backward's lead-in (lead_in.reverse_lead_in): each segment's dS_end from the fewest of min(window,
     available) chunks after it whose bound is <= LOG_BOUND (all of them where none is; the walk the reverse pass
     takes from the segment's end), run from zero (from dht where they reach the sequence's end), within the bound
     of the true one wherever the flags of the same search leave it settled; the flags are
@@ -247,10 +247,10 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_m
     dht = torch.randn(HV, Kd, Vd, generator=gen, dtype=torch.float64)
     starts = list(range(0, n_chunks, seg))
     bounds = [s * CHUNK for s in starts] + [T]
-    t = warmup.tables(bounds, [0, len(starts)], starts, [0, T], torch.device("cpu"))
+    t = lead_in.tables(bounds, [0, len(starts)], starts, [0, T], torch.device("cpu"))
     log_b = _log_norm_bound(g, k, beta)
-    walks, need = warmup.reverse_warmup(t, g, k, beta, window)
-    assert torch.equal(need, warmup.transitions_needed(t, g, k, beta, window, reverse=True))
+    walks, need = lead_in.reverse_lead_in(t, g, k, beta, window)
+    assert torch.equal(need, lead_in.transitions_needed(t, g, k, beta, window, reverse=True))
     assert walks[-1].tolist() == [0] * HV         # the last segment's dS_end is dht itself
     for j in range(len(starts) - 1):
         e, avail = bounds[j + 1], t.after_host[j]
@@ -264,16 +264,17 @@ def test_reverse_warmup_bounds_the_dS_chain(n_chunks, seg, window, rates, beta_m
             assert m == (settling[0] if settling else min(window, avail)), (j, hv, m, sums)
             if m == 0:
                 continue
-            if need[j + 1, hv]:                   # flagged: the warm-up falls short, by the bound
+            if need[j + 1, hv]:                   # flagged: the lead-in falls short, by the bound
                 assert not exact and float(log_b[e:x, hv].sum()) > LOG_BOUND
                 continue
             kh, gh, bh = k[0, :, 0], g[0, :, hv].tolist(), beta[0, :, hv].tolist()
             at_x = _run_back(dht[hv], kh, F[:, hv], gh, bh, T, x)
             true = _run_back(at_x, kh, F[:, hv], gh, bh, x, e)
-            warm = _run_back(dht[hv] if exact else torch.zeros(Kd, Vd, dtype=torch.float64), kh, F[:, hv], gh, bh, x, e)
+            start = dht[hv] if exact else torch.zeros(Kd, Vd, dtype=torch.float64)
+            lead_in_states = _run_back(start, kh, F[:, hv], gh, bh, x, e)
             bound = math.exp(float(log_b[e:x, hv].sum()))
             assert exact or bound <= math.exp(LOG_BOUND) * (1 + 1e-9)
-            assert (warm - true).norm() <= bound * at_x.norm() * (1 + 1e-9) + 1e-12
+            assert (lead_in_states - true).norm() <= bound * at_x.norm() * (1 + 1e-9) + 1e-12
 
 
 @settings(max_examples=20, deadline=None)
@@ -284,9 +285,9 @@ def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, s
     head) against the scan they replace, a dependent step per segment: walking each sequence's segments from its
     boundary (first to last; last to first with reverse), a segment's state is the boundary's (h0 / dht, or zero)
     for the first, then the neighbour's transition (P S + E; P^T S + F with reverse) where need flags that
-    neighbour, else its warm state. Flags none, half or all set, so chains of transitions of every length; in
-    place (the states written over warm, the sm90 backward's form) too."""
-    from gdnkit.backends.triton_generic.context_parallel import segment_scan
+    neighbour, else its lead-in state. Flags none, half or all set, so chains of transitions of every length; in
+    place (the states written over lead_in_states, the sm90 backward's form) too."""
+    from gdnkit.backends.triton_shared.segments import segment_scan
     gen = torch.Generator().manual_seed(seed)
     HV, Kd, Vd = 2, 16, 16
     N, n_seg = len(counts), sum(counts)
@@ -295,15 +296,15 @@ def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, s
     seg_offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
     seq_of = torch.tensor([n for n, c in enumerate(counts) for _ in range(c)], dtype=torch.int64)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    aug, warm = r(n_seg, HV, Kd, Vd + Kd) * 0.3, r(n_seg, HV, Kd, Vd)
+    aug, lead_in_states = r(n_seg, HV, Kd, Vd + Kd) * 0.3, r(n_seg, HV, Kd, Vd)
     f = r(n_seg, HV, Kd, Vd) if reverse else None
     h0 = r(N, HV, Kd, Vd) if has_h0 else None
     need = (torch.rand(n_seg, HV, generator=gen) < flagged).to(torch.int32)
-    warm_in = warm.clone()
-    got, _ = segment_scan(aug, h0, seg_offsets, N, HV, Kd, Vd, False, False, "ieee", f=f, need=need, warm=warm,
-                          seq_of=seq_of, in_place=in_place)
-    assert (got.data_ptr() == warm.data_ptr()) == in_place
-    warm = warm_in
+    lead_in_copy = lead_in_states.clone()
+    got, _ = segment_scan(aug, h0, seg_offsets, N, HV, Kd, Vd, False, False, "ieee", f=f, need=need,
+                          lead_in_states=lead_in_states, seq_of=seq_of, in_place=in_place)
+    assert (got.data_ptr() == lead_in_states.data_ptr()) == in_place
+    lead_in_states = lead_in_copy
     want = torch.empty_like(got)
     for n in range(N):
         order = list(range(int(seg_offsets[n]), int(seg_offsets[n + 1])))
@@ -316,5 +317,5 @@ def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, s
                 if need[s, h]:
                     S = P.T @ S + f[s, h] if reverse else P @ S + E
                 elif i + 1 < len(order):
-                    S = warm[order[i + 1], h]
+                    S = lead_in_states[order[i + 1], h]
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()

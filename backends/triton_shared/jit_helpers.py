@@ -1,4 +1,5 @@
-"""Pieces every triton_generic kernel module shares: launch settings and small jit helpers."""
+"""Small jit helpers and constants the Triton kernel modules share: flat-grid program ids, chunk and sequence
+bounds, state tiles, the masked decay, and the dot precision per dtype."""
 from __future__ import annotations
 
 import torch

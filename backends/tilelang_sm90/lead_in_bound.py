@@ -1,7 +1,7 @@
-"""The decay bound's tests on the device (warmup.py says why the bound suffices), each in two Triton launches:
-warmup.transitions_needed, per (segment, value head) whether a warm-up of fixed length (warmup.fixed_warmup)
+"""The decay bound's tests on the device (lead_in.py says why the bound suffices), each in two Triton launches:
+lead_in.transitions_needed, per (segment, value head) whether a lead-in of fixed length (lead_in.fixed_lead_in)
 brings the summed norm bound below LOG_BOUND, and the flag of the segment whose transition is needed where it
-does not (warmup.reverse_warmup: also the fewest of those chunks that do); warmup.walk_lengths, per (segment,
+does not (lead_in.reverse_lead_in: also the fewest of those chunks that do); lead_in.walk_lengths, per (segment,
 value head) the fewest chunks next to the segment that do, or all of them to the sequence's boundary (the chained
 route's walks).
 
@@ -17,7 +17,7 @@ Why two launches (H200): one program per segment walking its window 16 tokens an
 0.13-0.40 ms a call (4/8 1x8192 to 16/32 1x32768, eager), latency-bound: ~16 dependent small loads per chunk and
 head. The PyTorch form before it (gathers, float64 casts, a sum per chunk, a cumulative sum) was ~35 small ops and
 host reads. Here the loads are spread over programs and each is one 64-token tile. (The chained
-route's walks need no search for the shortest settling warm-up, which a route that read its lengths back had.)
+route's walks need no search for the shortest settling lead-in, which a route that read its lengths back had.)
 
 Imported only where context parallelism runs (context_parallel.available: triton importable)."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _tile_log_bound(g, k, beta, tok, inside, h, n_tok, H: tl.constexpr, HV: tl.c
                     GP: tl.constexpr, KP: tl.constexpr):
     """([GP] float64 sums over the tile's tokens `tok` where `inside` of log b_t = g_t + log max(1,
     |1 - beta_t ||k_t||^2|) for key head h's value heads (||k_t||^2 in fp32, as the PyTorch definition in
-    tests/test_warmup.py); tokens outside add 0 and load nothing, [GP] value heads, their mask)."""
+    tests/test_lead_in.py); tokens outside add 0 and load nothing, [GP] value heads, their mask)."""
     GROUP: tl.constexpr = HV // H
     tok = tl.minimum(tl.maximum(tok, 0), n_tok - 1)
     ck = tl.arange(0, KP)
@@ -88,7 +88,7 @@ def _row_bounds_kernel(g, k, beta, row_starts, row_ends, walked, sums, n_tok, H:
 @triton.jit
 def _needs_kernel(sums, base, before, after, need, walk, window, stride, HV: tl.constexpr, HVP: tl.constexpr,
                   REVERSE: tl.constexpr, LOG_BOUND: tl.constexpr, WALK: tl.constexpr, ROWS: tl.constexpr):
-    """Segment j's warm-up of exactly m = min(window, chunks available) chunks, per value head: settled if it
+    """Segment j's lead-in of exactly m = min(window, chunks available) chunks, per value head: settled if it
     reaches the sequence's start (end) or its summed bound is <= LOG_BOUND. Where a head is not settled, the
     exact route needs the transition of the segment that hands segment j its state -- the one before it (after
     it with REVERSE) -- so need[that segment, head] = 1; else 0. sums: [n_seg, stride, HV], or with ROWS
@@ -173,9 +173,9 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
                        after: torch.Tensor, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, window: int,
                        reverse: bool, log_bound: float, walk: torch.Tensor | None = None,
                        row_sums: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device: 1 where a (segment, head)'s transition is needed because a warm-up of
+    """[n_seg, HV] int32 on the device: 1 where a (segment, head)'s transition is needed because a lead-in of
     min(window, available) chunks leaves its neighbour (after it; before it with reverse) outside the bound
-    (warmup.transitions_needed's test, read by the gated route's exact kernels; nothing is read back). walk
+    (lead_in.transitions_needed's test, read by the gated route's exact kernels; nothing is read back). walk
     ([n_seg, HV] int32): also the fewest of those chunks that settle each pair (_needs_kernel), written there.
     row_sums ([n_rows, HV] fp32, as the intra kernel's emit_bound writes them) with rows (each segment's first
     chunk-table row; the row after it with reverse): the window's chunk sums read from there, one launch fewer
@@ -195,7 +195,7 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
 
 def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, reverse: bool,
                  log_bound: float, row_sums: torch.Tensor | None = None) -> torch.Tensor:
-    """[n_seg, HV] int32 on the device (warmup.walk_lengths' contract) from the plan's warmup.WarmupTables t;
+    """[n_seg, HV] int32 on the device (lead_in.walk_lengths' contract) from the plan's lead_in.LeadInTables t;
     row_sums: the chunk sums per chunk-table row as the intra kernel wrote them (its emit_bound), else they are
     summed here."""
     n_seg, n_rows = t.starts.shape[0], t.row_starts.shape[0]

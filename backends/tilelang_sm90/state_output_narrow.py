@@ -14,7 +14,7 @@ W and BV columns of U'.
 
 The state warpgroup hands the output warpgroup each chunk's bf16 S (before the update) and U through
 double-buffered shared tiles, so chunk i's output runs while the state chain already works on chunk
-i + 1. In state_output.py the output gemms and stores run in series with the chain (that kernel stays for
+i + 1. In state_output_pipelined.py the output gemms and stores run in series with the chain (that kernel stays for
 128-wide V tiles, which do not fit here in shared memory).
 
 Barriers (slot s = i % STAGES for the loads, i % 2 for the hand-over; phase parity = (i // slots) % 2):
@@ -27,13 +27,13 @@ A wait for a "free" barrier uses the flipped parity, so the first round passes a
 
 chained (context parallelism's chained route, forward.py): the programs run over segments, and each first walks
 back walk[n, hv] chunks before its segment, state only (no Q loads, no output, no hand-over, no S0 stores), from
-a zero state -- as many chunks as the decay bound needs for that head (warmup.walk_lengths), so the state at the
+a zero state -- as many chunks as the decay bound needs for that head (lead_in.walk_lengths), so the state at the
 segment's start is within e^-12 of the true one -- or from the sequence's h0 where the walk reaches the
 sequence's start (walk == before[n]: exact). A segment costs its own chunks plus its longest head's walk, never
 more than the sequence without segments, and needs nothing from another program (no flags between CTAs, so no
 co-residency or launch-order assumption). h0 is per segment: its sequence's initial state.
 
-Same grid and contract as state_output.py (forward.py picks one by V tile), so the signature repeats that
+Same grid and contract as state_output_pipelined.py (forward.py picks one by V tile), so the signature repeats that
 kernel's (TileLang prim_func signatures cannot be shared) and the per-program bounds come from its
 `sequence_bounds`. Tail chunks and the TMA boxes past a sequence's end
 behave as there too: X's rows and Q K^T's rows go through selects on `t < n_valid` (Tb's columns past
@@ -43,7 +43,7 @@ write rows below n_valid.
 import tilelang
 import tilelang.language as T
 
-from .state_output import sequence_bounds, walked_run
+from .sequence_macros import sequence_bounds, walked_run
 
 CHUNK = 64
 THREADS = 384
@@ -52,10 +52,10 @@ PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
-def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
-                         store_final_state: bool = False, block_v: int = 64, stages: int = 3,
-                         store_states: bool = False, emit_output: bool = True, chained: bool = False,
-                         store_x: bool = False, per_sm: int = 1, K: int = 128, V: int = 128):
+def state_output_narrow_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
+                                store_final_state: bool = False, block_v: int = 64, stages: int = 3,
+                                store_states: bool = False, emit_output: bool = True, chained: bool = False,
+                                store_x: bool = False, per_sm: int = 1, K: int = 128, V: int = 128):
     """store_states (training): also write every chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K,
     V] (the output warpgroup stores the hand-over tile it reads anyway, off the state chain); otherwise `hs`
     is a 1-element placeholder the kernel never touches.
@@ -112,7 +112,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                 o[0, t0 + r, hv, v0 + j] = tiles[slot, r, j]
 
     @T.prim_func
-    def gdn_state_output_ws(
+    def gdn_state_output_narrow(
         q: T.Tensor((1, num_tokens, H, K), dtype),
         k: T.Tensor((1, num_tokens, H, K), dtype),
         a: T.Tensor((1, num_tokens, HV, C), dtype),
@@ -324,4 +324,4 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
                             if r < n_valid:
                                 o[0, t0 + r, hv, v0 + j] = acc_o[r, j] * scale
 
-    return gdn_state_output_ws
+    return gdn_state_output_narrow

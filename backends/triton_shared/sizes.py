@@ -23,7 +23,7 @@ MAX_PROGRAMS = 2**31 - 1
 
 def flat_grid(*dims: int) -> tuple[int]:
     """The one-axis grid of a logical grid `dims` (first dim fastest): what every chunked kernel is launched
-    with, its program ids taken apart again by _common.grid_2d / grid_3d."""
+    with, its program ids taken apart again by jit_helpers.grid_2d / grid_3d."""
     n = 1
     for d in dims:
         n *= d

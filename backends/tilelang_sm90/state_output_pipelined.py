@@ -21,37 +21,16 @@ row of it), so the decays need no select.
 import tilelang
 import tilelang.language as T
 
+from .sequence_macros import sequence_bounds
+
 CHUNK = 64
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 TMA = {"prefer_instruction": "tma"}
 
 
-@T.macro
-def sequence_bounds(cu_seqlens, chunk_offsets, n):
-    """Program n's sequence (or segment): its first and end token, its chunk count, and its first row of the
-    chunk table (and of gamma). Shared by the state kernels and the propagator, which walk whole sequences."""
-    bos = cu_seqlens[n]
-    eos = cu_seqlens[n + 1]
-    return bos, eos, T.ceildiv(eos - bos, CHUNK), chunk_offsets[n]
-
-
-@T.macro
-def walked_run(walk, before, n, hv, bos, c0, chained):
-    """The chained route's run of program (n, hv) in the forward's state passes: (pre, exact, bos_run, c0_run):
-    `pre` chunks walked back before the program's own (whole chunks: segments are cut at chunk bounds inside a
-    sequence), exact where the walk starts at the sequence's start (then from h0); run chunk i starts at token
-    bos_run + i * C and is row c0_run + i of the chunk table. Unchained builds: no walk, (0, True, bos, c0)."""
-    if chained:
-        pre = walk[n, hv]
-        exact = pre == before[n]
-    else:
-        pre, exact = 0, True
-    return pre, exact, bos - pre * CHUNK, c0 - pre
-
-
-def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
-                         store_final_state: bool = False, block_v: int = 64, num_stages: int = 2,
-                         threads: int = 128, store_states: bool = False, K: int = 128, V: int = 128):
+def state_output_pipelined_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_state: bool = False,
+                                   store_final_state: bool = False, block_v: int = 64, num_stages: int = 2,
+                                   threads: int = 128, store_states: bool = False, K: int = 128, V: int = 128):
     """The TileLang prim_func. Token count, sequence count and the state tensors' lengths are symbolic;
     `scale` is a runtime argument, so one build serves every scale. store_states (training): also write every
     chunk's entering state S0 in bf16 to `hs` [num_chunks, HV, K, V]; otherwise `hs` is a 1-element
@@ -74,7 +53,7 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
     HS_SHAPE = (num_chunks, HV, K, V) if store_states else (1, 1, 1, 1)
 
     @T.prim_func
-    def gdn_state_output(
+    def gdn_state_output_pipelined(
         q: T.Tensor((1, num_tokens, H, K), dtype),
         k: T.Tensor((1, num_tokens, H, K), dtype),
         a: T.Tensor((1, num_tokens, HV, C), dtype),
@@ -180,4 +159,4 @@ def state_output_program(H: int, HV: int, dtype: str = "bfloat16", has_initial_s
             if store_final_state:
                 T.copy(S, ht[n, hv, 0:K, v0:v0 + BV])
 
-    return gdn_state_output
+    return gdn_state_output_pipelined

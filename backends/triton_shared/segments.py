@@ -1,9 +1,11 @@
-"""Context parallelism inside one GPU for few, long sequences (docs/algorithm.md section 4, the exact form).
+"""Context parallelism inside one GPU for few, long sequences (docs/algorithm.md section 4, the exact form): the
+segments and the scan over them, shared by triton_generic (chunked.py) and tilelang_sm90 (context_parallel.py).
 
 The state pass runs one program per (sequence, value head, V block) down a whole sequence; with few heads
 that leaves most SMs idle. Cut every sequence into segments of whole chunks:
   1. every segment, in parallel, from a zero state: S_end = P S0 + E, with E [K, V] and the transition
-     P [K, K] from the same kernel (state_pass propagator mode: K extra identity columns with U' = 0);
+     P [K, K] from the same kernel (triton_generic's state_pass in propagator mode: K extra identity columns
+     with U' = 0; tilelang_sm90's propagator.py);
   2. per sequence, a short scan over its segments: S0 of segment j+1 = P_j S0_j + E_j (this module);
   3. every segment, in parallel, the ordinary state pass (+ output) from its true S0.
 Segments are pseudo-sequences for the varlen code path: (cu_seqlens, chunk_offsets) over segments.
@@ -20,7 +22,7 @@ import triton.language as tl
 
 from gdnkit.seqlayout import SequenceLayout
 
-from ._common import CHUNK, grid_2d, state_tile
+from .jit_helpers import CHUNK, grid_2d, state_tile
 from .launch import launch
 from .sizes import cdiv, flat_grid, next_power_of_2
 
@@ -64,17 +66,17 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, N0, PREC: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["N0"])
-def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm, N0, PREC: tl.constexpr,
-                                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                                HAS_H0: tl.constexpr, REVERSE: tl.constexpr, IN_PLACE: tl.constexpr):
-    """tilelang_sm90's graph-safe warm-up route: the scan's states, one program per (segment, head, V tile). Segment
-    s's state is the boundary's (h0; dht with REVERSE) for its sequence's first segment (last), else warm[s] where
-    need leaves its neighbour's transition uncomputed (need[s - 1, head] == 0; need[s + 1, head] with REVERSE),
-    else that transition applied to the neighbour's state. So each program walks its flagged neighbours towards
-    the boundary to the nearest state not made by a transition and applies their transitions back: one load and
-    store where no pair is flagged, where the scan took a dependent step per segment. IN_PLACE (s0 is warm): a
-    segment whose state is its own warm state loads and stores nothing; the others write over theirs, which no
-    program reads (a program reads warm only at the segment its walk stops at, whose own walk stops at once)."""
+def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, lead_in_states, N0,
+                                PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                BV: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr, IN_PLACE: tl.constexpr):
+    """tilelang_sm90's graph-safe lead-in route: the scan's states, one program per (segment, head, V tile). Segment s's
+    state is the boundary's (h0; dht with REVERSE) for its sequence's first segment (last), else lead_in_states[s] where
+    need leaves its neighbour's transition uncomputed (need[s - 1, head] == 0; need[s + 1, head] with REVERSE), else
+    that transition applied to the neighbour's state. So each program walks its flagged neighbours towards the boundary
+    to the nearest state not made by a transition and applies their transitions back: one load and store where no pair
+    is flagged, where the scan took a dependent step per segment. IN_PLACE (s0 is lead_in_states): a segment whose state
+    is its own lead-in state loads and stores nothing; the others write over theirs, which no program reads (a program
+    reads lead_in_states only at the segment its walk stops at, whose own walk stops at once)."""
     i_v, i_sh = grid_2d(N0)
     s, i_h = (i_sh // HV).to(tl.int64), i_sh % HV
     i_n = tl.load(seq_of + s).to(tl.int64)
@@ -94,8 +96,8 @@ def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm,
     made = mv   # the tile's columns this program writes (as tiles: scalar masks the interpreter refuses)
     if IN_PLACE:
         made = mv & (((cv * 0 + t) != s) | ((cv * 0 + t) == edge))
-    from_warm = made & ((cv * 0 + t) != edge)
-    S = tl.load(warm + (t * HV + i_h) * K * V + tile, mask=from_warm[None, :], other=0.0)
+    from_lead_in = made & ((cv * 0 + t) != edge)
+    S = tl.load(lead_in_states + (t * HV + i_h) * K * V + tile, mask=from_lead_in[None, :], other=0.0)
     if HAS_H0:
         at_edge = made & ((cv * 0 + t) == edge)
         S += tl.load(h0 + (i_n * HV + i_h) * K * V + s_off, mask=at_edge[None, :], other=0.0)
@@ -105,25 +107,25 @@ def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, warm,
 
 
 def segment_scan(aug, h0, seg_offsets, N, HV, K, V, state_v_first, output_final_state, prec, f=None, need=None,
-                 warm=None, seq_of=None, in_place=False):
+                 lead_in_states=None, seq_of=None, in_place=False):
     """Returns (S0 of every segment [n_seg, HV, K, V] fp32, the sequences' final states or None).
 
-    With f (the segments' dS0 from a zero terminal gradient) it runs the backward's reverse scan instead:
-    h0 is dht, the first return the true dS_end of every segment, the second dh0. With need ([n_seg, HV] int32),
-    warm ([n_seg, HV, K, V] fp32, states from warm-ups) and seq_of ([n_seg], each segment's sequence): a segment's
-    state comes from warm where need says its neighbour's transition was not computed
-    (gated_segment_states_kernel; no final states); in_place: the states are written over warm, which is returned
-    (where no pair is flagged the launch then moves no state, the copy of warm that it was otherwise)."""
+    With f (the segments' dS0 from a zero terminal gradient) it runs the backward's reverse scan instead: h0 is dht, the
+    first return the true dS_end of every segment, the second dh0. With need ([n_seg, HV] int32), lead_in_states
+    ([n_seg, HV, K, V] fp32, states from lead-ins) and seq_of ([n_seg], each segment's sequence): a segment's state
+    comes from lead_in_states where need says its neighbour's transition was not computed (gated_segment_states_kernel;
+    no final states); in_place: the states are written over lead_in_states, which is returned (where no pair is flagged
+    the launch then moves no state, the copy of lead_in_states that it was otherwise)."""
     n_seg = aug.shape[0]
     assert not in_place or need is not None
-    s0 = warm if in_place else torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
+    s0 = lead_in_states if in_place else torch.empty(n_seg, HV, K, V, device=aug.device, dtype=torch.float32)
     # P [K, K] fp32 goes through shared memory: narrow S blocks keep it at ~80 KB (sm86/89 fit)
     BV = min(16, next_power_of_2(V))
     if need is not None:
         assert not output_final_state and not state_v_first and seq_of is not None
         launch("segment_scan", aug.dtype, gated_segment_states_kernel, flat_grid(cdiv(V, BV), n_seg * HV),
-               aug, f, h0, s0, seg_offsets, seq_of, need, warm, cdiv(V, BV), PREC=prec, HV=HV, K=K, V=V, BV=BV,
-               HAS_H0=h0 is not None, REVERSE=f is not None, IN_PLACE=in_place)
+               aug, f, h0, s0, seg_offsets, seq_of, need, lead_in_states, cdiv(V, BV), PREC=prec, HV=HV, K=K, V=V,
+               BV=BV, HAS_H0=h0 is not None, REVERSE=f is not None, IN_PLACE=in_place)
         return s0, None
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = torch.empty(shape, device=aug.device, dtype=torch.float32) if output_final_state else None
