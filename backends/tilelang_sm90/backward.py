@@ -38,8 +38,8 @@ from gdnkit.problem import GDNGrads, Problem
 
 from . import context_parallel, forward, lead_in
 from .group_sum import chunk_group_sums
-from .kernel_build import kernel_factory
-from .forward import TARGET, TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel
+from .kernel_build import jitted, kernel_factory
+from .forward import TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -52,18 +52,9 @@ def fused_pays(s: Saved) -> bool:
     return s.plan.fused_backward
 
 
-@functools.lru_cache(maxsize=None)
-def _jit():
-    import tilelang
-
-    from . import backward_fused, backward_state, backward_state_wide, chunk_grads
-
-    def jit(module, program):
-        return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
-
-    return (jit(backward_state, backward_state.backward_state_program), jit(chunk_grads, chunk_grads.chunk_grads_program),
-            jit(backward_state_wide, backward_state_wide.backward_state_wide_program),
-            jit(backward_fused, backward_fused.backward_fused_program))
+def _jit(module: str) -> object:
+    """The tilelang.jit wrapper of the program `module`.py defines as `<module>_program` (made on first use)."""
+    return jitted(module, f"{module}_program")
 
 
 @kernel_factory
@@ -72,19 +63,20 @@ def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0:
     """The reverse pass: backward_state.py at 32 / 64 columns; at 128 backward_state_wide.py, with the same
     arguments. ds_only: only dh0 is stored (the gated route's lead-in and exact passes)."""
     if block_v == 128:
-        return _jit()[2](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained, ds_only=ds_only)
-    return _jit()[0](H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
+        return _jit("backward_state_wide")(H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained,
+                                           ds_only=ds_only)
+    return _jit("backward_state")(H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
                      chained=chained, ds_only=ds_only)
 
 
 @kernel_factory
 def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
-    return _jit()[1](H, HV, dtype, grads_dtype=grads_dtype)
+    return _jit("chunk_grads")(H, HV, dtype, grads_dtype=grads_dtype)
 
 
 @kernel_factory
 def backward_fused_kernel(H: int, HV: int, dtype: str, has_dinit: bool, store_dh0: bool):
-    return _jit()[3](H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
+    return _jit("backward_fused")(H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
 
 
 def _segments(s: Saved):

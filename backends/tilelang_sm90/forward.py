@@ -37,7 +37,7 @@ from gdnkit import prologue, seqlayout
 from gdnkit.problem import GDNInputs, Problem
 
 from . import config, context_parallel, lead_in, plan as planner
-from .kernel_build import kernel_factory
+from .kernel_build import jitted, kernel_factory
 from .plan import NARROW_BLOCK_V, Plan
 
 CHUNK = 64
@@ -133,27 +133,16 @@ def _lead_in_runner(p: Plan, problem: Problem, k, a, v, gamma):
     return run
 
 
-@functools.lru_cache(maxsize=None)
-def _jit():
-    """The tilelang.jit wrappers, built on first use (importing this module needs no tilelang)."""
-    import tilelang
-
-    from . import intra_chunk, propagator, state_output_narrow, state_output_pipelined, state_output_wide
-
-    def jit(module, program):
-        return tilelang.jit(program, target=TARGET, pass_configs=module.PASS_CONFIGS)
-
-    return (jit(intra_chunk, intra_chunk.intra_chunk_program),
-            jit(state_output_pipelined, state_output_pipelined.state_output_pipelined_program),
-            jit(state_output_narrow, state_output_narrow.state_output_narrow_program),
-            jit(propagator, propagator.propagator_program),
-            jit(state_output_wide, state_output_wide.state_output_wide_program))
+def _jit(module: str) -> object:
+    """The tilelang.jit wrapper of the program `module`.py defines as `<module>_program` (made on first use:
+    importing this module needs no tilelang)."""
+    return jitted(module, f"{module}_program")
 
 
 @kernel_factory
 def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False, emit_bound: bool = False):
     """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
-    return _jit()[0](H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
+    return _jit("intra_chunk")(H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
 
 
 def _tma_aligned(x: torch.Tensor) -> torch.Tensor:
@@ -176,17 +165,17 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
     stored, else the pipelined one (both always write O; the pipelined one walks nothing: no chained runs).
     store_x: the recompute that also leaves X for the fused backward (three warpgroups only); per_sm: its
     programs an SM (recompute_per_sm)."""
+    flags = dict(has_initial_state=has_initial_state, store_final_state=store_final_state)
     if block_v in NARROW_BLOCK_V:
-        return _jit()[2](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         block_v=block_v, stages=NARROW_STAGES[block_v], store_states=store_states,
-                         emit_output=emit_output, chained=chained, store_x=store_x, per_sm=per_sm)
+        return _jit("state_output_narrow")(H, HV, dtype, **flags, block_v=block_v, stages=NARROW_STAGES[block_v],
+                                           store_states=store_states, emit_output=emit_output, chained=chained,
+                                           store_x=store_x, per_sm=per_sm)
     assert emit_output and not store_x and per_sm == 1, "the 128-column state passes always write O, never X"
     if not _pipelined(block_v, store_states):
-        return _jit()[4](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                         chained=chained)
+        return _jit("state_output_wide")(H, HV, dtype, **flags, chained=chained)
     assert not chained, "the pipelined state pass never walks back"
-    return _jit()[1](H, HV, dtype, has_initial_state=has_initial_state, store_final_state=store_final_state,
-                     block_v=block_v, num_stages=NUM_STAGES, threads=PIPELINED_THREADS, store_states=store_states)
+    return _jit("state_output_pipelined")(H, HV, dtype, **flags, block_v=block_v, num_stages=NUM_STAGES,
+                                          threads=PIPELINED_THREADS, store_states=store_states)
 
 
 def recompute_per_sm(block_v: int, store_x: bool, cfg: config.Config | None = None) -> int:
@@ -197,7 +186,7 @@ def recompute_per_sm(block_v: int, store_x: bool, cfg: config.Config | None = No
 @kernel_factory
 def propagator_kernel(H: int, HV: int, dtype: str):
     """Context parallelism's segment transitions [E | P], in 64-wide column tiles."""
-    return _jit()[3](H, HV, dtype, block_v=64)
+    return _jit("propagator")(H, HV, dtype, block_v=64)
 
 
 @dataclasses.dataclass(frozen=True)
