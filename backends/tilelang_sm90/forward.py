@@ -145,6 +145,16 @@ def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False, emit_b
     return _jit("intra_chunk")(H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
 
 
+def _zero_past(x: torch.Tensor, end: int) -> torch.Tensor:
+    """A copy of packed x [1, tokens, ...] whose tokens from `end` on (past the last sequence) are zero. No
+    sequence reads them, but the kernels load whole 64-token chunks, so the last sequence's last chunk reaches
+    into them, and a masked-out NaN still turns a product into NaN: whatever a padded buffer holds there must
+    not enter (the copy is paid only by calls with such tokens)."""
+    out = x.clone()
+    out[:, end:] = 0
+    return out
+
+
 def _tma_aligned(x: torch.Tensor) -> torch.Tensor:
     """x, or a copy where its first element is not 16-byte aligned: a TMA descriptor needs an aligned base (a
     contiguous view into a larger buffer can start anywhere, and reshape / contiguous keep it)."""
@@ -273,11 +283,12 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     train = problem.needs_grad
     dtypes = prologue.input_dtypes(inputs)
     p = None
-    q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
-
     # packed form [1, B*T]; the chunk tables come from the layout cache (no host read after the first call
     # with a given cu_seqlens tensor, none at all for a dense batch)
     layout = seqlayout.dense_layout(B, T, dev) if cu is None else seqlayout.sequence_layout(cu)
+    if layout.offsets[-1] < B * T:
+        q, k, v, g, beta = (_zero_past(x, layout.offsets[-1]) for x in (q, k, v, g, beta))
+    q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
     cu = None if cu is None else layout.cu_seqlens  # the offsets the tables were built from (seqlayout's doc)
     total = B * T
     q, k = (x.reshape(1, total, H, K).contiguous() for x in (q, k))

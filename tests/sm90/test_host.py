@@ -14,9 +14,17 @@ from gdnkit.prologue import triton_reads
 from .helpers import K, V, _rel, _tilelang
 
 
+def _assert_padding_finite(cu, *loaded) -> None:
+    """The tokens past the last sequence, which a kernel's whole-chunk loads reach, hold finite values (the
+    forward's zeroed copy), never a padded buffer's NaN: a masked-out NaN would still poison the last chunk."""
+    end = int(cu[-1])
+    assert all(torch.isfinite(x[0, end:]).all() for x in loaded), "a kernel would load the caller's padding"
+
+
 def _intra_stand_in(k, g, beta, cu, table, a, gamma, tm, bound):
     """What the intra-chunk kernel writes (its contract, in float64): gamma per chunk row, Tb = T diag(beta)
     rows, T's rows into tm and the walks' chunk sums into bound unless each is the 1-element placeholder."""
+    _assert_padding_finite(cu, k, g, beta)
     grp = g.shape[2] // k.shape[2]
     for row, (seq, ic) in enumerate(table.tolist()):
         t0 = int(cu[seq]) + ic * 64
@@ -145,6 +153,7 @@ def _state_stand_in(has_h0, store_ht, store_states=False, emit_output=True, chai
     (walk == before[n]), writing only its own chunks."""
     def run(q, k, a, v, gamma, cu, chunk_offsets, h0, o, ht, scale, hs, walk=None, before=None):
         assert not chained or walk.shape[0] == cu.numel() - 1   # else placeholders the kernel never reads
+        _assert_padding_finite(cu, q, k, v)
         grp = v.shape[2] // k.shape[2]
         for n in range(cu.numel() - 1):
             bos, eos, c0 = int(cu[n]), int(cu[n + 1]), int(chunk_offsets[n])
@@ -557,8 +566,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
 def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config, poisoned_empty):
     """Everything forward() does around its two launches, checked on a CPU: the packed view of dense and
     varlen batches, the cached layout's tables, outputs allocated empty (poisoned here) with only the
-    tokens past cu_seqlens[-1] zeroed, initial/final states in both layouts, no-token batches. The
-    TileLang kernels are replaced by float64 stand-ins of what they write."""
+    tokens past cu_seqlens[-1] zeroed, those tokens' NaN kept from every kernel's loads, initial/final states in
+    both layouts, no-token batches. The TileLang kernels are replaced by float64 stand-ins of what they write."""
     from gdnkit.backends.reference.backend import reference_forward
     from gdnkit.backends.reference.chunked import chunked_gdn
     from gdnkit.backends.tilelang_sm90 import forward as fwd
@@ -579,6 +588,9 @@ def test_forward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config,
     v, g, beta = r(B, T, HV, V).half(), F.logsigmoid(r(B, T, HV)) * 0.2, torch.rand(B, T, HV, generator=gen)
     h0 = r(N, HV, K, V) * 0.1
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    if lengths is not None:
+        for x in (q, k, v, g, beta):   # a padded buffer's tokens past the last sequence
+            x[:, sum(lengths):] = float("nan")
     problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, state_v_first=svf)
     o, ht, _ = fwd.forward(problem, inputs)
