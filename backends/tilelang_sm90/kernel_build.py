@@ -83,6 +83,9 @@ counts = {"built_by_workers": 0, "worker_seconds": 0.0, "compiled_in_call": 0, "
 _build_lock = threading.Lock()        # one parallel build at a time in a process (threads wait, then find markers)
 
 
+_NOTHING = (None, None)
+
+
 def _no_launch(*args, **kwargs) -> None:
     """What a factory returns during a dry run: the call's launch does nothing."""
 
@@ -95,11 +98,11 @@ def kernel_factory(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def factory(*args, **kwargs):
-        key = (args, tuple(kwargs.items()))
-        built_by, kernel = kernels.get(key, (None, None))
+        key = (args, tuple(kwargs.items())) if kwargs else args
+        built_by, kernel = kernels.get(key, _NOTHING)
         if built_by is not factory.uncached:   # a stand-in put in its place (tests), or back: not this kernel
             kernel = None
-        elif _mode.mode is None:                # every launch after the first: one dict lookup
+        elif _mode.mode is not _RECORD:         # every launch after the first (first_call's included): a lookup
             return kernel
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
