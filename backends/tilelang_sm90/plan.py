@@ -94,9 +94,22 @@ class Plan:
         return "\n".join(lines)
 
 
+# Plans by what they depend on: an eager training loop calls with the same few layouts over and over, and
+# planning one costs tens of microseconds of Python on every call.
+_PLANS: dict = {}
+_MAX_PLANS = 512
+
+
 def plan(problem: Problem, layout: SequenceLayout, resources: Resources, config: Config) -> Plan:
-    """The Plan of a chunked call (forward, and for a problem that needs gradients its backward)."""
-    return _plan(layout, problem.HV, problem.needs_grad, resources, config)
+    """The Plan of a chunked call (forward, and for a problem that needs gradients its backward): a function of
+    the sequence offsets, the value heads, whether the call trains, the machine and the Config, kept per key."""
+    key = (layout.offsets, problem.HV, problem.needs_grad, resources, config)
+    found = _PLANS.get(key)
+    if found is None:
+        if len(_PLANS) >= _MAX_PLANS:   # a stream of ever-new layouts (serving): bounded, never grown further
+            _PLANS.clear()
+        found = _PLANS[key] = _plan(layout, problem.HV, problem.needs_grad, resources, config)
+    return found
 
 
 def _plan(layout: SequenceLayout, HV: int, train: bool, res: Resources, cfg: Config) -> Plan:

@@ -190,3 +190,32 @@ def test_wide_waves_segment_rule(H, HV, lengths, expected):
     assert plan.wide_waves_segment_chunks(layout, HV, 0, Config()) is None   # off CUDA
     # forced segments keep the other routes
     assert plan.wide_waves_segment_chunks(layout, HV, 132, Config(segment_chunks=16)) is None
+
+
+def test_plans_are_kept_per_layout_heads_training_machine_and_config():
+    """An eager loop plans once per layout: the same inputs give the very same Plan, and any input that changes a
+    decision (offsets, heads, training, the machine, the Config) gives its own."""
+    import dataclasses
+
+    import torch
+
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import config, plan
+
+    layout = seqlayout.sequence_layout(torch.tensor([0, 4096, 4160]))
+    other = seqlayout.sequence_layout(torch.tensor([0, 64, 4160]))
+    problem = _problem(T=4160, H=2, HV=8, N=2, varlen=True)
+    res, cfg = plan.Resources(132), config.current()
+    first = plan.plan(problem, layout, res, cfg)
+    assert plan.plan(problem, layout, res, cfg) is first
+    assert first == plan._plan(layout, 8, False, res, cfg)   # what planning afresh gives
+    changed = [plan.plan(problem, other, res, cfg),
+               plan.plan(dataclasses.replace(problem, HV=16), layout, res, cfg),
+               plan.plan(dataclasses.replace(problem, needs_grad=True), layout, res, cfg),
+               plan.plan(problem, layout, plan.Resources(16), cfg),
+               plan.plan(problem, layout, res, dataclasses.replace(cfg, segment_chunks=4))]
+    for p, fresh in zip(changed, [plan._plan(other, 8, False, res, cfg), plan._plan(layout, 16, False, res, cfg),
+                                  plan._plan(layout, 8, True, res, cfg), plan._plan(layout, 8, False,
+                                                                                   plan.Resources(16), cfg),
+                                  plan._plan(layout, 8, False, res, dataclasses.replace(cfg, segment_chunks=4))]):
+        assert p == fresh and p is not first
