@@ -257,8 +257,8 @@ def test_tilelang_sm90_declines_pool_prefill_with_its_reason():
     (torch.float16, torch.float16, "always"),
 ])
 def test_triton_pool_prefill(monkeypatch, dtype, pool_dtype, fuse):
-    from gdnkit.backends.triton_generic import chunked
     backend = _triton()
+    from gdnkit.backends.triton_generic import chunked
     monkeypatch.setattr(chunked, "FUSE_OUTPUT", fuse)
     lengths = [70, 40, 0, 128]
     K = V = 16
@@ -278,8 +278,8 @@ def test_triton_pool_prefill(monkeypatch, dtype, pool_dtype, fuse):
 
 def test_triton_prefill_then_decode_is_one_run():
     """triton_generic's pool prefill, then its decode kernel on the same pool: one run of the whole sequences."""
-    from gdnkit.backends.triton_generic.fused_recurrent import fused_recurrent_forward
     backend = _triton()
+    from gdnkit.backends.triton_generic.fused_recurrent import fused_recurrent_forward
     lengths, steps = [66, 9], 2
     K = V = 16
     device = "cuda" if torch.cuda.is_available() else "cpu"

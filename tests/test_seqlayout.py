@@ -52,6 +52,8 @@ def test_layouts_are_keyed_on_content():
 @pytest.mark.parametrize("write", ["index", "numpy", "data", "inference"])
 def test_host_tensor_writes_of_every_kind_are_seen(write):
     """A CPU cu_seqlens is read every call: writes that do not move torch's version counter are seen too."""
+    if write == "numpy":
+        pytest.importorskip("numpy")
     if write == "inference":
         with torch.inference_mode():
             cu = torch.tensor([0, 10, 100])
@@ -114,6 +116,8 @@ def test_cached_path_rereads_inference_tensors(cached_path, monkeypatch):
 def test_cached_path_catches_writes_torch_cannot_see(cached_path, write):
     """A write that leaves the version alone keeps the cached offsets; the device check that every cached
     layout enqueues (torch._assert_async: synchronous on a host tensor, a device assert on a GPU) fails."""
+    if write == "numpy":
+        pytest.importorskip("numpy")
     cu = torch.tensor([0, 10, 100])
     seqlayout.sequence_layout(cu)
     if write == "numpy":
