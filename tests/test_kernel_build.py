@@ -61,19 +61,19 @@ def test_a_first_call_builds_exactly_its_missing_kernels_once(cache, monkeypatch
             add_kernel(x, b=x)(out)
         return out
 
-    assert kernel_build.first_call(lambda: call(7), lambda: call(7), "H=1, HV=2") == [8, 6, 14]
+    assert kernel_build.first_call(lambda: call(7), lambda: call(7), lambda: "H=1, HV=2") == [8, 6, 14]
     # one build, of the two kernels no process had built (a defaulted argument spelt out), the slowest first
     assert built == [[Job(module, "add_kernel", (7, 1)), Job(module, "add_kernel", (7, 7))]]
     # the call then compiled (here: loaded) each kernel once, the dry run none
     assert sorted(compiled) == [("add_kernel", 7, 1), ("add_kernel", 7, 7), ("mul_kernel", 2, 3)]
     assert "gdnkit: building 2 TileLang kernels for H=1, HV=2: 2/2" in capsys.readouterr().err
     # a second call: nothing built, nothing compiled
-    assert kernel_build.first_call(lambda: call(7), lambda: call(7), "H=1, HV=2") == [8, 6, 14]
+    assert kernel_build.first_call(lambda: call(7), lambda: call(7), lambda: "H=1, HV=2") == [8, 6, 14]
     assert len(built) == 1 and len(compiled) == 3
     # a new process (the factories' caches empty) finds every marker: no build
     add_kernel.cache_clear()
     mul_kernel.cache_clear()
-    assert kernel_build.first_call(lambda: call(7), lambda: call(7), "H=1, HV=2") == [8, 6, 14]
+    assert kernel_build.first_call(lambda: call(7), lambda: call(7), lambda: "H=1, HV=2") == [8, 6, 14]
     assert len(built) == 1 and len(compiled) == 6
 
 
@@ -100,7 +100,7 @@ def test_one_worker_or_a_capture_compiles_in_the_call(cache, monkeypatch):
     monkeypatch.setattr(kernel_build, "build", _fake_build(built))
     monkeypatch.setattr(kernel_build, "WORKERS", 1)
     out = []
-    kernel_build.first_call(lambda: add_kernel(4)(out), lambda: add_kernel(4)(out), "x")
+    kernel_build.first_call(lambda: add_kernel(4)(out), lambda: add_kernel(4)(out), lambda: "x")
     assert out == [5] and built == [] and compiled == [("add_kernel", 4, 1)]
 
 
@@ -113,7 +113,7 @@ def test_threads_build_a_kernel_once(cache, monkeypatch):
     def run():
         gate.wait()
         out = []
-        kernel_build.first_call(lambda: add_kernel(9)(out), lambda: add_kernel(9)(out), "x")
+        kernel_build.first_call(lambda: add_kernel(9)(out), lambda: add_kernel(9)(out), lambda: "x")
         assert out == [10]
     threads = [threading.Thread(target=run) for _ in range(4)]
     for t in threads:

@@ -61,13 +61,14 @@ class TileLangSM90Backend(Backend):
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
         from .forward import forward
         from .kernel_build import first_call
-        return first_call(lambda: forward(problem, inputs), lambda: _every_launch(problem, inputs), _what(problem))
+        return first_call(lambda: forward(problem, inputs), lambda: _every_launch(problem, inputs),
+                          lambda: _what(problem))
 
     def chunk_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
         from .backward import backward
         from .kernel_build import first_call
         return first_call(lambda: backward(problem, saved, do, dht), lambda: backward(problem, saved, do, dht),
-                          _what(problem))
+                          lambda: _what(problem))
 
     def recurrent_forward(self, problem: Problem, inputs: GDNInputs):
         raise NotImplementedError("tilelang_sm90 has no recurrent form; supports() declines it")

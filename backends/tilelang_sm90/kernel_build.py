@@ -203,9 +203,10 @@ def _marker_lock(job: Job):
 
 # ---- the first call ----
 
-def first_call(call: Callable, dry_run: Callable[[], None], what: str):
+def first_call(call: Callable, dry_run: Callable[[], None], what: Callable[[], str]):
     """call(), with the kernels it needs that no process has built built first, in parallel (module doc). dry_run
-    makes every launch the call can make (for a training forward, its backward's too)."""
+    makes every launch the call can make (for a training forward, its backward's too); what() names the call in
+    the progress line (asked only when something is built: every call passes here)."""
     if WORKERS < 2 or _mode.mode is not None or _capturing():
         return call()
     _mode.mode = _STRICT
@@ -215,7 +216,7 @@ def first_call(call: Callable, dry_run: Callable[[], None], what: str):
         pass
     finally:
         _mode.mode = None
-    build_missing(recorded_jobs(dry_run), what)
+    build_missing(recorded_jobs(dry_run), what())
     return call()
 
 
