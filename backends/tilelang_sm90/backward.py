@@ -52,31 +52,26 @@ def fused_pays(s: Saved) -> bool:
     return s.plan.fused_backward
 
 
-def _jit(module: str) -> object:
-    """The tilelang.jit wrapper of the program `module`.py defines as `<module>_program` (made on first use)."""
-    return jitted(module, f"{module}_program")
-
-
 @kernel_factory
 def backward_state_kernel(H: int, HV: int, dtype: str, has_dht: bool, store_dh0: bool, block_v: int,
                           chained: bool = False, ds_only: bool = False):
     """The reverse pass: backward_state.py at 32 / 64 columns; at 128 backward_state_wide.py, with the same
     arguments. ds_only: only dh0 is stored (the gated route's lead-in and exact passes)."""
     if block_v == 128:
-        return _jit("backward_state_wide")(H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained,
+        return jitted("backward_state_wide")(H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, chained=chained,
                                            ds_only=ds_only)
-    return _jit("backward_state")(H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
+    return jitted("backward_state")(H, HV, dtype, has_dht=has_dht, store_dh0=store_dh0, block_v=block_v, stages=STAGES,
                      chained=chained, ds_only=ds_only)
 
 
 @kernel_factory
 def chunk_grads_kernel(H: int, HV: int, dtype: str, grads_dtype: str):
-    return _jit("chunk_grads")(H, HV, dtype, grads_dtype=grads_dtype)
+    return jitted("chunk_grads")(H, HV, dtype, grads_dtype=grads_dtype)
 
 
 @kernel_factory
 def backward_fused_kernel(H: int, HV: int, dtype: str, has_dinit: bool, store_dh0: bool):
-    return _jit("backward_fused")(H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
+    return jitted("backward_fused")(H, HV, dtype, has_dinit=has_dinit, store_dh0=store_dh0)
 
 
 def _segments(s: Saved):

@@ -133,16 +133,10 @@ def _lead_in_runner(p: Plan, problem: Problem, k, a, v, gamma):
     return run
 
 
-def _jit(module: str) -> object:
-    """The tilelang.jit wrapper of the program `module`.py defines as `<module>_program` (made on first use:
-    importing this module needs no tilelang)."""
-    return jitted(module, f"{module}_program")
-
-
 @kernel_factory
 def intra_chunk_kernel(H: int, HV: int, dtype: str, emit_t: bool = False, emit_bound: bool = False):
     """Compiled once per key; tilelang.jit also keeps its own disk cache across processes."""
-    return _jit("intra_chunk")(H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
+    return jitted("intra_chunk")(H, HV, dtype, emit_t=emit_t, emit_bound=emit_bound)
 
 
 def _zero_past(x: torch.Tensor, end: int) -> torch.Tensor:
@@ -177,14 +171,14 @@ def state_output_kernel(H: int, HV: int, dtype: str, has_initial_state: bool, st
     programs an SM (recompute_per_sm)."""
     flags = dict(has_initial_state=has_initial_state, store_final_state=store_final_state)
     if block_v in NARROW_BLOCK_V:
-        return _jit("state_output_narrow")(H, HV, dtype, **flags, block_v=block_v, stages=NARROW_STAGES[block_v],
+        return jitted("state_output_narrow")(H, HV, dtype, **flags, block_v=block_v, stages=NARROW_STAGES[block_v],
                                            store_states=store_states, emit_output=emit_output, chained=chained,
                                            store_x=store_x, per_sm=per_sm)
     assert emit_output and not store_x and per_sm == 1, "the 128-column state passes always write O, never X"
     if not _pipelined(block_v, store_states):
-        return _jit("state_output_wide")(H, HV, dtype, **flags, chained=chained)
+        return jitted("state_output_wide")(H, HV, dtype, **flags, chained=chained)
     assert not chained, "the pipelined state pass never walks back"
-    return _jit("state_output_pipelined")(H, HV, dtype, **flags, block_v=block_v, num_stages=NUM_STAGES,
+    return jitted("state_output_pipelined")(H, HV, dtype, **flags, block_v=block_v, num_stages=NUM_STAGES,
                                           threads=PIPELINED_THREADS, store_states=store_states)
 
 
@@ -196,7 +190,7 @@ def recompute_per_sm(block_v: int, store_x: bool, cfg: config.Config | None = No
 @kernel_factory
 def propagator_kernel(H: int, HV: int, dtype: str):
     """Context parallelism's segment transitions [E | P], in 64-wide column tiles."""
-    return _jit("propagator")(H, HV, dtype, block_v=64)
+    return jitted("propagator")(H, HV, dtype, block_v=64)
 
 
 @dataclasses.dataclass(frozen=True)

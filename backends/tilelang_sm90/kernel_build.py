@@ -133,14 +133,15 @@ def kernel_factory(fn: Callable) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def jitted(module: str, program: str):
-    """tilelang.jit over one program of this package, made at its first use: a wrapper costs ~0.7 s (it reads the
-    program's source), and a call or a build worker needs only the programs of its own kernels."""
+def jitted(module: str):
+    """tilelang.jit over the program `module`.py of this package defines as `<module>_program`, made at its first
+    use (importing the factories needs no tilelang): a wrapper costs ~0.7 s (it reads the program's source), and a
+    call or a build worker needs only the programs of its own kernels."""
     import tilelang
 
     from .forward import TARGET
     owner = importlib.import_module(f"{__spec__.parent}.{module}")
-    return tilelang.jit(getattr(owner, program), target=TARGET, pass_configs=owner.PASS_CONFIGS)
+    return tilelang.jit(getattr(owner, f"{module}_program"), target=TARGET, pass_configs=owner.PASS_CONFIGS)
 
 
 # ---- markers: which kernels TileLang's disk cache holds ----

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 from gdnkit.problem import Problem
 from gdnkit.seqlayout import SequenceLayout
@@ -94,21 +95,21 @@ class Plan:
         return "\n".join(lines)
 
 
-# Plans by what they depend on: an eager training loop calls with the same few layouts over and over, and
-# planning one costs tens of microseconds of Python on every call.
-_PLANS: dict = {}
-_MAX_PLANS = 512
+# Plans per layout (SequenceLayout hashes by identity, and seqlayout keeps one per offsets and device), then per
+# (heads, training, machine, Config): an eager training loop calls with the same few layouts over and over, and
+# planning costs tens of microseconds of Python a call. Weak keys: a plan goes with its layout, so this holds no
+# more than seqlayout does.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan(problem: Problem, layout: SequenceLayout, resources: Resources, config: Config) -> Plan:
     """The Plan of a chunked call (forward, and for a problem that needs gradients its backward): a function of
-    the sequence offsets, the value heads, whether the call trains, the machine and the Config, kept per key."""
-    key = (layout.offsets, problem.HV, problem.needs_grad, resources, config)
-    found = _PLANS.get(key)
+    the layout, the value heads, whether the call trains, the machine and the Config, kept per key."""
+    plans = _PLANS.setdefault(layout, {})
+    key = (problem.HV, problem.needs_grad, resources, config)
+    found = plans.get(key)
     if found is None:
-        if len(_PLANS) >= _MAX_PLANS:   # a stream of ever-new layouts (serving): bounded, never grown further
-            _PLANS.clear()
-        found = _PLANS[key] = _plan(layout, problem.HV, problem.needs_grad, resources, config)
+        found = plans[key] = _plan(layout, problem.HV, problem.needs_grad, resources, config)
     return found
 
 
