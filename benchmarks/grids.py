@@ -104,8 +104,12 @@ def random_split(total: int, n: int, seed: int = 42) -> list[int]:
 # run per pass group (FlashQLA's TileLang forward compiles ~60-80 s per (H, HV), backward ~4 min).
 QUICK_FWD_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64))
 QUICK_FWD_MIXES = ([32768], [2048], [4096] * 8)
-QUICK_BWD_HEADS = ((4, 8), (16, 32))
 QUICK_BWD_MIXES = ([8192], [32768])
+# training batches of several long sequences (packed documents), where a backward's programs per sequence and
+# its segments meet sequence boundaries: at 8/32 and 16/32, the head configs of Qwen3.5-class models
+QUICK_BWD_VARLEN_MIXES = ([8192, 8192, 4096], [4096] * 4)
+QUICK_BWD = (((4, 8), QUICK_BWD_MIXES), ((8, 32), QUICK_BWD_VARLEN_MIXES),
+             ((16, 32), QUICK_BWD_MIXES + QUICK_BWD_VARLEN_MIXES))
 QUICK_DECODE = ((1, 16, 64), (64, 16, 64), (256, 2, 8), (256, 16, 32))  # (B, H, HV)
 
 # full: FlashQLA's published H200 grid (value/key heads as (H, HV) here) plus a wider decode sweep.
@@ -128,7 +132,8 @@ TINY_K = TINY_V = 16
 def _grid(name: str) -> Grid:
     if name == "quick":
         pts = (_chunk_points("fwd", QUICK_FWD_HEADS, QUICK_FWD_MIXES)
-               + _chunk_points("bwd", QUICK_BWD_HEADS, QUICK_BWD_MIXES) + _decode_points(QUICK_DECODE))
+               + [p for heads, mixes in QUICK_BWD for p in _chunk_points("bwd", (heads,), mixes)]
+               + _decode_points(QUICK_DECODE))
         return Grid("quick", tuple(pts), accuracy_seqlens=(1, 64, 135, 133), accuracy_decode_B=3)
     if name == "full":
         pts = (_chunk_points("fwd", FULL_FWD_HEADS, FULL_FWD_MIXES)

@@ -75,11 +75,14 @@ def test_quick_grid_is_the_issue_grid():
     assert {p.label for p in fwd} == {"1x32768", "1x2048", "4096x8"}
     assert {p.seqlens for p in fwd} == {(32768,), (2048,), (4096,) * 8}  # 4096x8: eight sequences of 4096
     bwd = [p for p in g.points if p.pass_ == "bwd"]
-    assert {(p.H, p.HV, p.label) for p in bwd} == {(h, hv, s) for h, hv in ((4, 8), (16, 32))
-                                                   for s in ("1x8192", "1x32768")}
+    single, several = ("1x8192", "1x32768"), ("8192+8192+4096", "4096x4")  # several: packed training documents
+    assert {(p.H, p.HV, p.label) for p in bwd} == ({(4, 8, s) for s in single} | {(8, 32, s) for s in several}
+                                                   | {(16, 32, s) for s in single + several})
     dec = [p for p in g.points if p.pass_ == "decode"]
     assert {(p.B, p.H, p.HV) for p in dec} == {(1, 16, 64), (64, 16, 64), (256, 2, 8), (256, 16, 32)}
     assert all(p.K == p.V == 128 for p in g.points)
+    order = [(p.pass_, p.H, p.HV) for p in g.points]
+    assert all(order.index(x) == i or order[i - 1] == x for i, x in enumerate(order))
     full = grids.get_grid("full")
     assert len([p for p in full.points if p.pass_ == "fwd"]) == 9 * 19
     assert len([p for p in full.points if p.pass_ == "bwd"]) == 4 * 8
