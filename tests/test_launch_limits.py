@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from gdnkit.backends.triton_generic import (BACKEND, backward_chunk, backward_state, backward_wy,  # noqa: E402
                                             chunked, fused_recurrent, intra_chunk, output, state_pass)
-from gdnkit.backends.triton_shared import segments, sizes  # noqa: E402
+from gdnkit.backends.triton_shared import recurrence, segments, sizes  # noqa: E402
 
 FIRST_AXIS, OTHER_AXES = 2**31 - 1, 65535
 LAUNCHING = (intra_chunk, state_pass, output, backward_state, backward_chunk, backward_wy, segments)
@@ -47,6 +47,11 @@ def recorded(monkeypatch):
 
     for module in LAUNCHING:
         monkeypatch.setattr(module, "launch", record)
+
+    class CausalRepair:   # the token-by-token kernel after the chunked forward, launched without the table
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(("causal_repair", tuple(grid)))
+    monkeypatch.setattr(recurrence, "recurrent_kernel", CausalRepair())
     return launches
 
 
@@ -78,7 +83,8 @@ def test_every_chunked_launch_within_cuda_grid_limits(recorded, shape):
     o, ht, saved = BACKEND.chunk_forward(problem, inputs)
     BACKEND.chunk_backward(problem, saved, torch.zeros_like(o), torch.zeros_like(ht))
     names = {name for name, _ in recorded}
-    assert {"kkt", "diag_inverse", "solve", "w_u", "local_du", "reverse", "backward_chunk", "backward_wy"} <= names
+    assert {"kkt", "diag_inverse", "solve", "w_u", "local_du", "reverse", "backward_chunk", "backward_wy",
+            "causal_repair"} <= names
     assert names & {"fused", "state"}
     assert all(within_cuda_limits(grid) for _, grid in recorded), recorded
     # the logical grids were past the second axis' limit: these launches are the ones that failed before
@@ -106,7 +112,7 @@ def test_decode_launch_within_cuda_grid_limits(monkeypatch):
             grids.append(tuple(grid))
             return lambda *args, **kwargs: None
 
-    monkeypatch.setattr(fused_recurrent, "_gdn_recurrent_kernel", Recorder())
+    monkeypatch.setattr(fused_recurrent, "recurrent_kernel", Recorder())
     N, HV = 300000, 64
     call = _call(N, 1, 16, HV, 16, 16, grad=False)
     problem, inputs = validate_inputs(RECURRENT_MODE, **call)

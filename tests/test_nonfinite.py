@@ -6,8 +6,9 @@ gdnkit code): the reference's chunked and recurrent forms through the public API
 kernels and its token-by-token kernel under the Triton interpreter (fp32). What each must show:
   - g = -inf (also fp16 g past -65504, and use_gate_in_kernel with a raw g of +inf) resets the state: outputs,
     final states and (where finite) gradients as the recurrence gives them;
-  - a NaN / Inf in q, k, v, g or beta at token t leaves every output of the sequence before t (the chunked GPU
-    kernels: before t's 64-token chunk), every other sequence and their final states as the recurrence gives them.
+  - a NaN / Inf in q, k, v, g or beta at token t leaves every output of the sequence before t, every other
+    sequence and their final states as the recurrence gives them (the chunked GPU kernels by their causal repair,
+    which the poisoned chunk's earlier tokens need: a bad value at a chunk's first, middle and last token).
 """
 from __future__ import annotations
 
@@ -279,10 +280,6 @@ def poisoned_call(seed=8):
     return call
 
 
-def causal_bound(form, t):
-    """Tokens of a sequence before which a bad value at token t may not reach: t, or, in the chunked GPU kernels,
-    the start of t's chunk (docs/semantics.md)."""
-    return t if form != "triton-chunk" else t // CHUNK * CHUNK
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")   # NaN arithmetic in the interpreter's numpy
@@ -297,7 +294,7 @@ def test_non_finite_inputs_poison_only_what_follows(form):
     bad = {n: t for _, n, t, _ in POISON}
     for n in range(len(LENGTHS)):
         s, e = starts[n], starts[n + 1]
-        end = s + causal_bound(form, bad[n]) if n in bad else e
+        end = s + bad[n] if n in bad else e   # every form: nothing before the bad token is reached
         if end > s:
             close(o[:, s:end], o_ref[:, s:end], tol)
         if n not in bad:
@@ -394,6 +391,25 @@ def _gpu_call(lengths, H, HV, dtype, seed=0):
                 cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("options", [{}, {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True}])
+def test_causal_repair_leaves_finite_calls_bitwise_alone(options):
+    """With finite inputs the causal repair only reads: triton_generic's chunked forward gives the bits of its
+    kernels without the repair (outputs and final states), with or without the options it re-applies when it
+    does walk a sequence."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.triton_generic import BACKEND, chunked
+    call = make_inputs(LENGTHS, seed=12)
+    if options.get("use_gate_in_kernel"):
+        gen = torch.Generator().manual_seed(13)
+        call.update(A_log=torch.randn(4, generator=gen, dtype=torch.float64) * 0.5,
+                    dt_bias=torch.randn(4, generator=gen, dtype=torch.float64))
+    call = {n: (t.to(DEVICE, torch.float32) if t.is_floating_point() else t.to(DEVICE)) for n, t in call.items()}
+    problem, inputs = validate_inputs(CHUNK_MODE, **call, **options, output_final_state=True)
+    o_kernels, ht_kernels, _ = chunked.forward(problem, inputs)
+    o, ht, _ = BACKEND.chunk_forward(problem, inputs)
+    assert torch.equal(o, o_kernels) and torch.equal(ht, ht_kernels)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["tilelang_sm90", "triton_generic"])
 def test_gpu_resets_and_causal_nan(backend):
@@ -414,7 +430,7 @@ def test_gpu_resets_and_causal_nan(backend):
     ref = {n: (t.double() if t.is_floating_point() else t) for n, t in call.items()}
     o_ref, ht_ref = gdnkit.chunk_gated_delta_rule(**ref, output_final_state=True, backend="reference")
     clean = torch.ones(o.shape[1], dtype=torch.bool, device="cuda")
-    clean[bad // CHUNK * CHUNK: starts[1]] = False
+    clean[bad: starts[1]] = False   # the tokens of bad's chunk before it too (the causal repair)
     assert torch.isfinite(o[:, clean]).all()
     err = (o[:, clean].double() - o_ref[:, clean]).norm() / o_ref[:, clean].norm()
     assert err < 1e-2, f"{backend}: {float(err):.3g}"

@@ -59,10 +59,13 @@ class TileLangSM90Backend(Backend):
         return plan.plan(problem, layout, resources, config.current()).describe()
 
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
+        from ..triton_shared.recurrence import repair_nonfinite_chunks
         from .forward import forward
         from .kernel_build import first_call
-        return first_call(lambda: forward(problem, inputs), lambda: _every_launch(problem, inputs),
-                          lambda: _what(problem))
+        o, ht, saved = first_call(lambda: forward(problem, inputs), lambda: _every_launch(problem, inputs),
+                                  lambda: _what(problem))
+        repair_nonfinite_chunks(problem, inputs, o)   # a non-finite input reaches no earlier token (semantics.md)
+        return o, ht, saved
 
     def chunk_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
         from .backward import backward

@@ -26,8 +26,11 @@ class TritonGenericBackend(Backend):
     serves_state_pool = SUPPORT.serving
 
     def chunk_forward(self, problem: Problem, inputs: GDNInputs):
+        from ..triton_shared.recurrence import repair_nonfinite_chunks
         from . import chunked
-        return chunked.forward(problem, inputs)
+        o, ht, saved = chunked.forward(problem, inputs)
+        repair_nonfinite_chunks(problem, inputs, o)   # a non-finite input reaches no earlier token (semantics.md)
+        return o, ht, saved
 
     def chunk_backward(self, problem: Problem, saved, do: torch.Tensor, dht: torch.Tensor | None) -> GDNGrads:
         from . import chunked
