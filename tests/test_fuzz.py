@@ -147,7 +147,7 @@ def problems(draw, device):
     garbage = draw(st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e30]))
     dead = [(0, T - tail, T)] if tail else []
     dead += [seq_tokens[n] for n in padding]
-    poisoned = None
+    poisoned = poisoned_from = None
     if draw(st.integers(0, 4)) == 0:  # one live token of one sequence gets a non-finite value
         live = [n for n, (_, s, e) in enumerate(seq_tokens) if e > s and n not in padding]
         if live:
@@ -156,6 +156,7 @@ def problems(draw, device):
             t = draw(st.integers(s, e - 1))
             name = draw(st.sampled_from(["q", "k", "v", "g", "beta"]))
             call[name][b, t] = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+            poisoned_from = t   # what it may reach (docs/semantics.md): its sequence from t on
     for b, s, e in dead:
         for name in ("q", "k", "v", "g", "beta"):
             call[name][b, s:e] = garbage
@@ -165,7 +166,7 @@ def problems(draw, device):
     call[name] = _odd_layout(call[name], how)
     call = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in call.items()}
     return dict(mode=mode, call=call, seq_tokens=seq_tokens, padding=padding, poisoned=poisoned,
-                dead=dead, dtype=dtype)
+                poisoned_from=poisoned_from, dead=dead, dtype=dtype)
 
 
 def _function(mode):
@@ -193,7 +194,7 @@ def _judge(case):
     seq_keep = torch.ones(len(case["seq_tokens"]), dtype=torch.bool)
     if case["poisoned"] is not None:
         b, s, e = case["seq_tokens"][case["poisoned"]]
-        keep[b, s:e] = False
+        keep[b, case["poisoned_from"]:e] = False   # its tokens before the bad one are as the recurrence gives
         seq_keep[case["poisoned"]] = False
     bar = BARS[dtype]
     got, want = o[keep], expected_o[keep]

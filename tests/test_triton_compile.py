@@ -25,18 +25,24 @@ import pytest
 CAPABILITIES = (80, 90)
 # The buffers the backend allocates in fp32 whatever the inputs' dtype; every other pointer is a 16-bit input
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
-FP32_ARGS = {"a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
+FP32_ARGS = {"A_log", "dt_bias", "a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
              "s0", "lead_in_states", "rstd", "dy", "q_rstd", "k_rstd"}
-INDEX_ARGS = {"slots", "ckpt", "cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
+INDEX_ARGS = {"slots", "num_accepted", "parents", "ckpt", "cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
               # the wide route's pick (lead_in_bound._pick_kernel): int32 segment tables and cu_seqlens
               "own", "seg_cu", "cu", "wide_cu", "wide_walk", "plain_cu"}
 # tilelang_sm90's lead-in flags (lead_in_bound.py) and the gated scan's seq_of: int64 segment and row tables, int8
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
 INT_SCALARS = {"slot_stride", "n_ckpt", "every", "T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu",
-               "w0", "n_rows", "N0", "N1", "B"}   # the flat grids' logical sizes (jit_helpers.grid_2d / grid_3d) and the batch size
+               "w0", "n_rows", "N0", "N1", "B",   # the flat grids' logical sizes (jit_helpers.grid_2d / grid_3d) and the batch size
+               # head counts: run-time arguments of the Triton kernels (one build serves every head configuration
+               # of a dtype and flag set), compiled here as a launch passes them
+               "H", "HV", "T_total", "N", "stride_h0_slot", "stride_ht_slot", "stride_slots_seq", "SLOT_COLS"}
 FP32_SCALARS = {"scale", "longest", "ratio"}
-HEADS = dict(H=2, HV=4, K=128, V=128, IS_VARLEN=True, PREC="tf32")
+HEADS = dict(K=128, V=128, IS_VARLEN=True, PREC="tf32")
+RECURRENT = dict(K=128, V=128, BK=128, BV=32, IS_VARLEN=True, HAS_ACCEPTED=False, QK_L2NORM=True, GATE_IN_KERNEL=True,
+                 HAS_DT_BIAS=True, BETA_SIGMOID=False, NEG_EIGVAL=False, V_FIRST=False, TREE=False, REPAIR=False,
+                 CHUNK=64, SCAN=64)
 # kernel -> (module, function, constexprs): settings the backend launches at K = V = 128
 KERNELS = {
     "state_pass": ("state_pass", "state_pass_kernel",
@@ -53,15 +59,19 @@ KERNELS = {
     "output": ("output", "output_kernel", dict(HEADS, BK=64, BV=64)),
     "backward_chunk": ("backward_chunk", "backward_chunk_kernel", dict(HEADS, BK=64, BV=64, ACCUMULATE=True)),
     "backward_wy": ("backward_wy", "backward_wy_kernel", dict(HEADS, BK=64, BV=64, NK=2)),
-    "kkt": ("intra_chunk", "kkt_kernel", dict(H=2, HV=4, K=128, IS_VARLEN=True, PREC="tf32", BK=64, CUMSUM=True)),
-    "diag_inverse": ("intra_chunk", "diag_inverse_kernel", dict(HV=4, IS_VARLEN=True)),
-    "solve": ("intra_chunk", "solve_kernel", dict(HV=4, IS_VARLEN=True)),
+    "kkt": ("intra_chunk", "kkt_kernel", dict(K=128, IS_VARLEN=True, PREC="tf32", BK=64, CUMSUM=True)),
+    "diag_inverse": ("intra_chunk", "diag_inverse_kernel", dict(IS_VARLEN=True)),
+    "solve": ("intra_chunk", "solve_kernel", dict(IS_VARLEN=True)),
     "w_u": ("intra_chunk", "w_u_kernel", dict(HEADS, BK=64, BV=64)),
     "segment_scan": ("gdnkit.backends.triton_shared.segments", "segment_scan_kernel",
-                     dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
+                     dict(PREC="tf32", K=128, V=128, BV=16, HAS_H0=True, STORE_HT=True, STATE_V_FIRST=False,
                           REVERSE=False, f=None)),  # None: as launched
     "segment_states_gated": ("gdnkit.backends.triton_shared.segments", "gated_segment_states_kernel",
-                             dict(PREC="tf32", HV=4, K=128, V=128, BV=16, HAS_H0=True, REVERSE=True, IN_PLACE=True)),
+                             dict(PREC="tf32", K=128, V=128, BV=16, HAS_H0=True, REVERSE=True, IN_PLACE=True)),
+    # the token-by-token kernel (triton_shared/recurrence.py): decode from and to dense states, and the causal repair
+    "recurrent": ("gdnkit.backends.triton_shared.recurrence", "recurrent_kernel", dict(RECURRENT, READ=1, WRITE=1)),
+    "causal_repair": ("gdnkit.backends.triton_shared.recurrence", "recurrent_kernel",
+                      dict(RECURRENT, READ=1, WRITE=0, REPAIR=True)),
     # tilelang_sm90's lead-in flags run in Triton too (lead_in_bound.py), at a grouped head count
     "lead_in_chunk_bounds": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_chunk_bounds_kernel",
                             dict(H=4, HV=8, K=128, GP=2, KP=128, REVERSE=False)),

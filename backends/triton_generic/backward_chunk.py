@@ -28,7 +28,7 @@ BLOCK_K = 64
 @triton.jit(do_not_specialize=["T", "J", "N0", "N1", "B"])
 def backward_chunk_kernel(q, k, vnew, h, dh, gcum, do, du, dq, dk, dw, dgp, cu_seqlens, chunk_indices, T, scale, J,
                           N0, N1, B,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, IS_VARLEN: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr):
     """One launch per value head of a key head's group (J = 0 .. HV / H - 1), one program per (K block, chunk,
     key head): value head i_hk * HV / H + J. dQ and dK go to the key head's rows, summed over the group by

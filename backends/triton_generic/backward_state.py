@@ -21,8 +21,8 @@ from ..triton_shared.sizes import cdiv, flat_grid, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["T", "N0", "N1"])
-def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, N0, N1, scale, H: tl.constexpr,
-                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, N0, N1, scale, H,
+                    HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """du = scale (Q K^T (.) D_incl)^T dO per chunk, in parallel: the part of dU that needs no state, kept
     out of the sequential pass to shorten its critical path and its register footprint."""
@@ -49,7 +49,7 @@ def local_du_kernel(q, k, gcum, do, du, cu_seqlens, chunk_indices, T, N0, N1, sc
 
 @triton.jit(do_not_specialize=["T", "N0"])
 def backward_state_kernel(q, k, w, gcum, do, dht, dh, du, dh0, cu_seqlens, chunk_offsets, T, N0, scale,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                          H, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                           IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                           STATE_V_FIRST: tl.constexpr, STORE_DH: tl.constexpr, PREC: tl.constexpr):
     i_v, i_nh = grid_2d(N0)

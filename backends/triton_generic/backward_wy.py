@@ -26,7 +26,7 @@ BLOCK_V = 64
 @triton.jit(do_not_specialize=["T", "J", "N0", "B"])
 def backward_wy_kernel(k, v, beta, gcum, tmat, dw, du, dkp, dgp, dk, dv, dbeta, dg, cu_seqlens, chunk_indices, T, J,
                        N0, B,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                       H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, NK: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """One launch per value head of a key head's group (J), one program per (chunk, key head): value head
     i_hk * HV / H + J adds its WY terms to the key head's dk rows in place (dkp: backward_chunk's sum over the

@@ -30,7 +30,7 @@ def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
 
 
 @triton.jit(do_not_specialize=["T", "N0"])
-def kkt_kernel(k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, N0, H: tl.constexpr, HV: tl.constexpr,
+def kkt_kernel(k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, N0, H, HV,
                K: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, CUMSUM: tl.constexpr,
                PREC: tl.constexpr):
     """gamma (stored as gcum, log2 units, when CUMSUM; else read from it) and
@@ -59,14 +59,14 @@ def kkt_kernel(k, g, beta, gcum, a, cu_seqlens, chunk_indices, T, N0, H: tl.cons
 
 
 @triton.jit
-def _block(a, rows, L, col0, HV: tl.constexpr):
+def _block(a, rows, L, col0, HV):
     """The 16 x 16 block of a chunk's stored A at rows `rows`, columns col0.. (rows past L read as 0)."""
     o16 = tl.arange(0, 16)
     return tl.load(a + rows[:, None] * (HV * 64) + col0 + o16[None, :], mask=(rows < L)[:, None], other=0.0)
 
 
 @triton.jit
-def _diag_inverse(a, row0, col0, L, HV: tl.constexpr):
+def _diag_inverse(a, row0, col0, L, HV):
     """(I + A_bb)^-1 of the diagonal block at rows row0.. (within the sequence) and columns col0.. (within the
     chunk), by forward substitution: with N = (I + A_bb)^-1 - I, row i is N[i] = -A[i] - sum_{s<i} A[i, s] N[s].
     Each row of A is read from memory, so a row costs one reduction; rows 0 and 1 are -A as loaded."""
@@ -81,7 +81,7 @@ def _diag_inverse(a, row0, col0, L, HV: tl.constexpr):
 
 
 @triton.jit
-def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
+def _store_band(tb, rows, m, b0, b1, b2, b3, HV):
     """One 16-row band of T (rows `rows` of the chunk, valid where m): its four 16 x 16 blocks side by side."""
     p = tb + rows[:, None] * (HV * 64) + tl.arange(0, 16)[None, :]
     dt = tb.dtype.element_ty
@@ -92,7 +92,7 @@ def _store_band(tb, rows, m, b0, b1, b2, b3, HV: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "N0"])
-def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, N0, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, N0, HV, IS_VARLEN: tl.constexpr):
     """One diagonal 16 x 16 block of a chunk's A per program (grid: 4 x chunks, B*HV), replaced in place by its
     inverse (I + A_bb)^-1 (rows < L). The substitution is a chain of dependent loads, so its speed is how many
     chains an SM runs at once: one warp per program, where one 8-warp program walked all four blocks in turn
@@ -108,7 +108,7 @@ def diag_inverse_kernel(a, cu_seqlens, chunk_indices, T, N0, HV: tl.constexpr, I
 
 
 @triton.jit(do_not_specialize=["T", "N0"])
-def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, N0, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, N0, HV, IS_VARLEN: tl.constexpr):
     """T = (I + A)^-1 per chunk from A whose diagonal blocks diag_inverse_kernel replaced by their inverses
     T_ii: the rest by block forward substitution, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (fp32 products). Rows of
     T_ii past L read as 0 (not the identity's): they meet only A's columns past L, which are 0."""
@@ -142,7 +142,7 @@ def solve_kernel(a, tmat, cu_seqlens, chunk_indices, T, N0, HV: tl.constexpr, IS
 
 @triton.jit(do_not_specialize=["T", "N0"])
 def w_u_kernel(k, v, beta, gcum, tmat, w, u, cu_seqlens, chunk_indices, T, N0,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               H, HV, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                SPLIT_U: tl.constexpr):
     """W = T diag(beta Gamma) K and U' = T diag(beta) V from the stored T (tmat) and gamma (gcum): the

@@ -21,7 +21,7 @@ BLOCK_V = 128
 
 @triton.jit(do_not_specialize=["T", "N0", "N1"])
 def output_kernel(q, k, vnew, h, gcum, o, cu_seqlens, chunk_indices, T, N0, N1, scale,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, pid_t, i_bh = grid_3d(N0, N1)
     i_b, i_h = i_bh // HV, i_bh % HV

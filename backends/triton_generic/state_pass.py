@@ -37,7 +37,7 @@ def _store_checkpoint(pool, ckpt, i_n, m, n_ckpt, every, live, S, tile, mask, sl
 def state_pass_kernel(q, k, w, u, v, beta, tmat, gcum, h, vnew, o, h0, ht, cu_seqlens, chunk_offsets, T, N0,
                       scale,
                       slots, start_flags, ckpt, slot_stride, n_ckpt, every,
-                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      H, HV, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                       STATE_V_FIRST: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
                       FUSE_OUTPUT: tl.constexpr, PROPAGATOR: tl.constexpr, U_ON_CHIP: tl.constexpr,

@@ -1,5 +1,5 @@
-"""Launch settings (num_warps, num_stages) of every Triton kernel (triton_generic's and triton_shared's), in one
-table.
+"""Launch settings (num_warps, num_stages) of the chunked Triton kernels (triton_generic's and triton_shared's), in
+one table (the token-by-token kernel, recurrence.py, sizes its own launches by its state tile: launch_config).
 
 Fixed per kernel, not autotuned at call time: autotuning costs the first call seconds per shape, may pick
 differently from one process to the next (results not bitwise repeatable across runs) and cannot run while

@@ -44,7 +44,7 @@ def _softplus(x):
 def recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, slots, num_accepted, parents,
     scale, T, T_total, N, stride_h0_slot, stride_ht_slot, stride_slots_seq, SLOT_COLS,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, READ: tl.constexpr, WRITE: tl.constexpr, HAS_ACCEPTED: tl.constexpr,
     QK_L2NORM: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr,

@@ -28,7 +28,7 @@ from .sizes import cdiv, flat_grid, next_power_of_2
 
 
 @triton.jit
-def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV, K: tl.constexpr,
                 V: tl.constexpr, REVERSE: tl.constexpr):
     """One step of the scan through segment s: P S + E (forward) or P^T S + F (REVERSE)."""
     ab = aug + (s * HV + i_h) * K * (V + K)
@@ -42,7 +42,7 @@ def _transition(aug, f, s, i_h, S, ck, cv, mv, tile, PREC: tl.constexpr, HV: tl.
 
 
 @triton.jit(do_not_specialize=["N0"])
-def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, N0, PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, N0, PREC: tl.constexpr, HV, K: tl.constexpr,
                         V: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                         STATE_V_FIRST: tl.constexpr, REVERSE: tl.constexpr):
     """Forward: S0_{j+1} = P_j S0_j + E_j, storing every S0_j. REVERSE (the backward's dS): walking
@@ -67,7 +67,7 @@ def segment_scan_kernel(aug, f, h0, s0, ht, seg_offsets, N0, PREC: tl.constexpr,
 
 @triton.jit(do_not_specialize=["N0"])
 def gated_segment_states_kernel(aug, f, h0, s0, seg_offsets, seq_of, need, lead_in_states, N0,
-                                PREC: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                PREC: tl.constexpr, HV, K: tl.constexpr, V: tl.constexpr,
                                 BV: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr, IN_PLACE: tl.constexpr):
     """tilelang_sm90's graph-safe lead-in route: the scan's states, one program per (segment, head, V tile). Segment s's
     state is the boundary's (h0; dht with REVERSE) for its sequence's first segment (last), else lead_in_states[s] where
