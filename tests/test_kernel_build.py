@@ -18,6 +18,7 @@ from gdnkit.backends.tilelang_sm90.kernel_build import Job
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_build, "WORKERS", 4)
+    monkeypatch.setattr(kernel_build, "_started_workers", lambda n: [])   # the fake builds below start none
     return tmp_path
 
 
@@ -37,7 +38,7 @@ def _factories(compiled: list):
 
 def _fake_build(built: list):
     """kernel_build.build's stand-in: "compiles" in this process, as a worker would, leaving the markers."""
-    def build(jobs, workers, report=lambda *r: None):
+    def build(jobs, workers, report=lambda *r: None, started=None):
         built.append(list(jobs))
         for job in jobs:
             kernel_build._mark_built(job)
@@ -142,6 +143,20 @@ def test_build_workers_from_the_environment_are_checked(monkeypatch, value):
         kernel_build._workers_from_environment()
 
 
+def test_a_build_uses_the_workers_started_before_it(tmp_path, monkeypatch):
+    """first_call starts workers before its dry run; the build hands its jobs to those processes (a job that
+    cannot build comes back as an error from one of them) and starts no other."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    started = kernel_build._started_workers(2)
+    assert len(started) == 2
+    fresh = []
+    monkeypatch.setattr(kernel_build, "_start_worker", lambda: fresh.append(1))
+    results = kernel_build.build([Job("forward", "no_such_kernel", (1,))], 4, started=started)
+    assert fresh == [] and len(started) == 1      # one job: one of the two taken, the other left to its owner
+    assert results[0][2] is not None and "no_such_kernel" in results[0][2]
+    kernel_build._stop(started.pop())
+
+
 @pytest.mark.slow
 def test_workers_compile_real_kernels_that_a_process_then_loads(tmp_path):
     """Two real TileLang kernels built by two worker processes (nvcc, no GPU): markers left, and a fresh process's
@@ -156,8 +171,9 @@ from gdnkit.backends.tilelang_sm90 import kernel_build as kb
 jobs = [kb.Job("forward", "propagator_kernel", (1, 2, "float16")),
         kb.Job("forward", "intra_chunk_kernel", (1, 2, "float16", False, False))]
 if sys.argv[1] == "build":
-    results = kb.build(jobs, 2)
-    assert all(error is None for _, _, error in results), results
+    started = kb._started_workers(2)   # as first_call starts them, before the jobs are known
+    results = kb.build(jobs, 2, started=started)
+    assert not started and all(error is None for _, _, error in results), results
     assert all(kb.is_built(j) for j in jobs)
 else:
     from gdnkit.backends.tilelang_sm90 import forward

@@ -12,7 +12,9 @@ new head configuration needs ~15 of them, which one process used to compile one 
   values only ever feed values, never addresses). A training forward's dry run takes its backward too (with and
   without a final-state gradient), so one build serves the whole step. It then builds exactly the recorded kernels
   without a marker, in worker processes (all cores by default; GDNKIT_BUILD_WORKERS), the slowest first, one
-  progress line on stderr, and runs the call for real: its kernels load from the disk cache.
+  progress line on stderr, and runs the call for real: its kernels load from the disk cache. The workers are
+  started when the first NotBuilt is raised, so their start (an interpreter importing torch and TileLang, seconds)
+  runs beside the dry run and the Triton compiles it triggers instead of after them.
 - Every compile holds a file lock on its kernel's marker: two threads or processes that want the same kernel
   build it once; the second finds the marker and loads.
 
@@ -217,7 +219,12 @@ def first_call(call: Callable, dry_run: Callable[[], None], what: Callable[[], s
         pass
     finally:
         _mode.mode = None
-    build_missing(recorded_jobs(dry_run), what())
+    started = _started_workers(min(WORKERS, PRESTARTED))   # they import while the dry run runs
+    try:
+        build_missing(recorded_jobs(dry_run), what(), started)
+    finally:
+        for process in started:   # those no job needed
+            _stop(process)
     return call()
 
 
@@ -241,11 +248,11 @@ def recorded_jobs(dry_run: Callable[[], None]) -> list[Job]:
     return jobs
 
 
-def build_missing(jobs: list[Job], what: str) -> None:
+def build_missing(jobs: list[Job], what: str, started: list | None = None) -> None:
     with _build_lock:
         missing = [j for j in jobs if j not in _loaded and not is_built(j)]
         if missing:
-            for job, seconds, error in build(missing, WORKERS, _Progress(what, len(missing))):
+            for job, seconds, error in build(missing, WORKERS, _Progress(what, len(missing)), started):
                 counts["built_by_workers"] += error is None
                 counts["worker_seconds"] += seconds
 
@@ -277,20 +284,48 @@ class _Progress:
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
 
-def build(jobs: list[Job], workers: int, report: Callable[[Job, float, str | None], None] = lambda *r: None
-          ) -> list[tuple[Job, float, str | None]]:
+# Workers started before their jobs are known (first_call): enough for an inference call's kernels and most of a
+# training step's; a build that needs more starts the rest then.
+PRESTARTED = 4
+
+
+def _start_worker() -> subprocess.Popen:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+
+
+def _started_workers(n: int) -> list[subprocess.Popen]:
+    """n worker processes, importing while the caller goes on; an empty list where they cannot start."""
+    started = []
+    with contextlib.suppress(OSError):
+        for _ in range(n):
+            started.append(_start_worker())
+    return started
+
+
+def _stop(process: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        process.stdin.close()
+    process.wait()
+
+
+def build(jobs: list[Job], workers: int, report: Callable[[Job, float, str | None], None] = lambda *r: None,
+          started: list | None = None) -> list[tuple[Job, float, str | None]]:
     """Compiles every job in up to `workers` worker processes, the slowest first, each worker taking the next
-    job when it finishes one; report(job, seconds, error) as each ends. Returns (job, seconds, error) per job."""
+    job when it finishes one; report(job, seconds, error) as each ends. Returns (job, seconds, error) per job.
+    started: worker processes already running (first_call's), used before any new one; the ones this build takes
+    are removed from the list."""
     todo: queue.Queue = queue.Queue()
     for job in sorted(jobs, key=lambda j: j.factory not in SLOWEST):
         todo.put(job)
     results: list[tuple[Job, float, str | None]] = []
     lock = threading.Lock()
+    n = max(1, min(workers, len(jobs)))
+    given = [started.pop() for _ in range(min(n, len(started or [])))]
 
-    def worker() -> None:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-        process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True, env=env, bufsize=1)
+    def worker(process: subprocess.Popen | None) -> None:
+        process = process or _start_worker()
         try:
             while True:
                 try:
@@ -308,11 +343,10 @@ def build(jobs: list[Job], workers: int, report: Callable[[Job, float, str | Non
                 if not reply:
                     break
         finally:
-            with contextlib.suppress(OSError, ValueError):
-                process.stdin.close()
-            process.wait()
+            _stop(process)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(workers, len(jobs))))]
+    threads = [threading.Thread(target=worker, args=(given[i] if i < len(given) else None,), daemon=True)
+               for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -327,6 +361,9 @@ def _serve() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # the imports every build needs, done before the first job arrives (first_call starts workers early)
+    with contextlib.suppress(Exception):
+        import tilelang  # noqa: F401
     for line in sys.stdin:
         module, factory, args = json.loads(line)
         try:
