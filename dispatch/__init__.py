@@ -1,7 +1,8 @@
 """Backend dispatch: probe the machine, keep the registry, choose a backend and explain the choice."""
 from .machine import GPU, Machine, machine, probe_machine, use_machine
 from .registry import Backend, backends, get, register
-from .select import ENV_VAR, BackendNotSupportedError, Decision, decide, select, valid_names
+from .select import (ENV_VAR, SHORT_SEQUENCE, BackendNotSupportedError, Decision, decide, select, short_sequences,
+                     valid_names)
 
 __all__ = ["GPU", "Machine", "machine", "probe_machine", "use_machine", "Backend", "backends", "get",
            "register", "ENV_VAR", "BackendNotSupportedError", "Decision", "decide", "select", "valid_names"]

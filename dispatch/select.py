@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 
-from gdnkit.problem import Problem
+from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, Problem
 
 from . import registry
 from .machine import Machine, machine as current_machine
@@ -20,6 +20,12 @@ log = logging.getLogger("gdnkit")
 
 ENV_VAR = "GDNKIT_BACKEND"
 AUTO = "auto"
+# Under auto dispatch, an inference chunked call on a GPU whose sequences are all at most this many tokens runs in
+# the token-by-token form (the same function): each of its programs walks a few tokens where the chunked kernels
+# pay a whole 64-token chunk per sequence and several launches (an H100 took 12 ms for 4096 sequences of 8 tokens
+# at 16/64 in the chunked form, 1.1 ms for one sequence of 32768). 16 is a bound the recurrent form wins by a wide
+# margin; where the two cross over is still to be measured.
+SHORT_SEQUENCE = 16
 
 
 class BackendNotSupportedError(ValueError):
@@ -35,6 +41,8 @@ class Decision:
     source: str  # "argument", "environment" or "auto"
     reasons: dict[str, list[str]]  # backend name -> reasons it can't take the problem (empty = could)
     plan: str | None = None  # how the chosen backend would run it (explain(): Backend.plan), where it says
+    # why the call runs in another form than it was made in (the problem above is then that form's)
+    form_note: str | None = None
 
     @property
     def runs(self) -> bool:
@@ -43,6 +51,8 @@ class Decision:
 
     def __str__(self) -> str:
         lines = [f"problem: {self.problem.describe()}"]
+        if self.form_note:
+            lines.append(f"form: {self.form_note}")
         if self.chosen is None:
             lines.append("chosen: none, no backend can take this problem (the call raises BackendNotSupportedError)")
         elif not self.runs:
@@ -79,10 +89,26 @@ def _origin(source: str) -> str:
     return "backend=" if source == "argument" else f"{ENV_VAR}="
 
 
-def decide(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> Decision:
+def short_sequences(problem: Problem, offsets: tuple[int, ...] | None) -> bool:
+    """Whether auto dispatch may run this chunked call token by token: inference on a GPU, no state pool, and
+    every sequence at most SHORT_SEQUENCE tokens. offsets: cu_seqlens on the host (None: a dense [B, T] batch).
+    The longest sequence is only looked for where the mean length is short already (it costs a pass over N)."""
+    if problem.mode != CHUNK_MODE or problem.needs_grad or problem.serving or problem.device_type != "cuda":
+        return False
+    if offsets is None:
+        return 0 < problem.T <= SHORT_SEQUENCE
+    tokens, n = offsets[-1] - offsets[0], len(offsets) - 1
+    if tokens == 0 or tokens > SHORT_SEQUENCE * n:
+        return False
+    return max(b - a for a, b in zip(offsets[:-1], offsets[1:])) <= SHORT_SEQUENCE
+
+
+def decide(problem: Problem, backend: str | None = None, machine: Machine | None = None,
+           short: bool = False) -> Decision:
     """The decision for `problem` without acting on it: a forced backend that cannot take the problem, or
     auto with no backend able to, is described (`Decision.runs` is False) rather than raised. An unknown
-    backend name still raises ValueError."""
+    backend name still raises ValueError. short: short_sequences(problem, ...) holds; auto then runs the call in
+    the recurrent form where a backend other than the reference takes it (Decision.problem is that form)."""
     machine = machine or current_machine()
     name, source = _requested(backend)
     if not isinstance(name, str):
@@ -90,14 +116,24 @@ def decide(problem: Problem, backend: str | None = None, machine: Machine | None
     candidates = registry.backends()
     if name != AUTO and name not in {b.name for b in candidates}:
         raise ValueError(f"unknown backend {_origin(source)}{name!r}; valid names: {', '.join(valid_names())}")
+    if name == AUTO and short:
+        recurrent = dataclasses.replace(problem, mode=RECURRENT_MODE)
+        reasons = {b.name: b.reasons(recurrent, machine) for b in candidates}
+        fast = next((b.name for b in candidates if not reasons[b.name]), None)
+        if fast is not None and fast != "reference":
+            return Decision(problem=recurrent, chosen=fast, source=source, reasons=reasons,
+                            form_note=f"a chunked call run token by token: every sequence is at most "
+                                      f"{SHORT_SEQUENCE} tokens (dispatch.select.SHORT_SEQUENCE)")
     reasons = {b.name: b.reasons(problem, machine) for b in candidates}
     if name == AUTO:
         name = next((b.name for b in candidates if not reasons[b.name]), None)
     return Decision(problem=problem, chosen=name, source=source, reasons=reasons)
 
 
-def select(problem: Problem, backend: str | None = None, machine: Machine | None = None) -> tuple[Backend, Decision]:
-    decision = decide(problem, backend, machine)
+def select(problem: Problem, backend: str | None = None, machine: Machine | None = None,
+           short: bool = False) -> tuple[Backend, Decision]:
+    """The backend to run `problem` (or, where short, its recurrent form: run Decision.problem) and the decision."""
+    decision = decide(problem, backend, machine, short)
     if decision.chosen is None:
         detail = "\n".join(f"  {n}: {'; '.join(r)}" for n, r in decision.reasons.items())
         raise BackendNotSupportedError(f"no backend can run {problem.describe()}:\n{detail}")

@@ -92,7 +92,8 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
                                       **options)
     if needs_grad is not None:
         problem = dataclasses.replace(problem, needs_grad=needs_grad)
-    chosen, _ = dispatch.select(problem, backend)
+    chosen, decision = dispatch.select(problem, backend, short=_short(problem, inputs))
+    problem = decision.problem   # the form it runs in (a short-sequence chunked call: the recurrent one)
     warn_positive_gates(problem, g)
     # Kernels index raw memory; the reference does not care. One place makes layouts plain. A serving
     # pool is written in place, so it is never copied (validation checked its slots are contiguous).
@@ -100,6 +101,14 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
     inputs = inputs._replace(**{name: t.contiguous() for name, t in inputs._asdict().items()
                                 if t is not None and name not in keep})
     return chosen, problem, inputs
+
+
+def _short(problem, inputs) -> bool:
+    """dispatch.short_sequences for this call (the offsets are the ones validation read: cached, no sync)."""
+    if problem.mode != CHUNK_MODE or problem.needs_grad or problem.device_type != "cuda":
+        return False
+    cu = inputs.cu_seqlens
+    return dispatch.short_sequences(problem, None if cu is None else seqlayout.host_offsets(cu))
 
 
 # Eager calls run here, outside Dynamo: dispatch's machine probe and the backends' host-side planning
@@ -305,9 +314,9 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
         raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r}; with mode={mode!r} it takes "
                         f"{call.__name__}'s: {', '.join(taken)}")
     problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
-    decision = dispatch.decide(problem, backend)
+    decision = dispatch.decide(problem, backend, short=_short(problem, inputs))
     if decision.runs:
-        plan = dispatch.get(decision.chosen).plan(problem, inputs, dispatch.machine())
+        plan = dispatch.get(decision.chosen).plan(decision.problem, inputs, dispatch.machine())
         if plan:
             decision = dataclasses.replace(decision, plan=plan)
     return decision

@@ -254,3 +254,52 @@ def test_explain_names_itself_for_an_unknown_keyword():
     decision = gdnkit.explain(**x, initial_state=pool, mode="recurrent",
                               ssm_state_indices=torch.zeros(1, dtype=torch.int32))
     assert decision.runs and decision.problem.serving
+
+
+# ---- short sequences: the chunked call in the token-by-token form -----------------------------------------------
+
+def _offsets(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+@pytest.mark.parametrize("lengths, short", [
+    ([8] * 4096, True),                       # the many-short-sequence prefill
+    ([1, 16, 3, 0], True),                    # empty and one-token sequences among short ones
+    ([16] * 10 + [17], False),                # one sequence one token past the bound
+    ([1] * 100 + [1000], False),              # short mean, one long sequence
+    ([0, 0], False),                          # no tokens: nothing to walk
+])
+def test_short_sequences_rule(lengths, short):
+    bound = dispatch.SHORT_SEQUENCE
+    assert bound == 16
+    p = problem(T=sum(lengths), N=len(lengths), varlen=True)
+    assert dispatch.short_sequences(p, _offsets(lengths)) is short
+    # only for a GPU inference call without a state pool
+    assert not dispatch.short_sequences(dataclasses.replace(p, needs_grad=True), _offsets(lengths))
+    assert not dispatch.short_sequences(dataclasses.replace(p, device_type="cpu", device_index=None),
+                                        _offsets(lengths))
+    # a dense [B, T] batch: its T
+    assert dispatch.short_sequences(problem(B=64, T=bound), None)
+    assert not dispatch.short_sequences(problem(B=64, T=bound + 1), None)
+
+
+@pytest.mark.parametrize("gen", ["hopper_sm90", "ampere_sm80"])
+def test_auto_runs_short_sequences_token_by_token(gen):
+    """Auto dispatch gives a short-sequence inference call the recurrent form on the backend that runs it fast
+    (explain says so); a forced backend, the reference and a long call keep the chunked form."""
+    p = problem(T=8 * 512, N=512, varlen=True)
+    with dispatch.use_machine(fake_machine(gen, "triton+tilelang")):
+        chosen, decision = dispatch.select(p, short=True)
+        assert chosen.name == "triton_generic" and decision.problem.mode == "recurrent"
+        assert "token by token" in str(decision)
+        assert dataclasses.replace(decision.problem, mode=CHUNK_MODE) == p   # nothing else changed
+        forced, kept = dispatch.select(p, backend="triton_generic", short=True)
+        assert kept.problem.mode == CHUNK_MODE
+        long_call, kept = dispatch.select(p, short=False)
+        assert kept.problem.mode == CHUNK_MODE and long_call.name == EXPECTED[(gen, "triton+tilelang", "inference")]
+    with dispatch.use_machine(fake_machine(gen, "none")):   # only the reference could: the chunked form stays
+        _, kept = dispatch.select(p, short=True)
+        assert kept.chosen == "reference" and kept.problem.mode == CHUNK_MODE

@@ -195,3 +195,20 @@ def test_chunk_gradients_repeat_bitwise(backend, H, HV, T, monkeypatch, sm90_con
         differ = {n: f"{rel(b, a):.1e} ({(a != b).float().mean().item():.1%} of elements)"
                   for n, a, b in zip(x, runs[0], again) if not torch.equal(a, b)}
         assert not differ, f"gradients not repeatable bitwise: {differ}"
+
+
+def test_short_sequences_run_token_by_token_under_auto():
+    """A prefill of many short sequences (1 to 16 tokens, one empty) under auto dispatch runs the recurrent form
+    (explain says so) and matches the float64 recurrence, states included; training keeps the chunked form."""
+    lengths = [8, 1, 16, 0, 5] * 40
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    x = make(4, 16, int(cu[-1]), N=len(lengths), seed=21)
+    explained = str(gdnkit.explain(**x, output_final_state=True, cu_seqlens=cu))
+    if "triton_generic" not in gdnkit.available_backends():
+        pytest.skip("needs triton_generic")
+    assert "token by token" in explained, explained
+    o, ht = gdnkit.chunk_gated_delta_rule(**x, output_final_state=True, cu_seqlens=cu)
+    ref_o, ref_ht, _ = truth(x, cu)
+    assert rel(o, ref_o) <= BF16_FWD_BAR and rel(ht, ref_ht) <= BF16_FWD_BAR, (rel(o, ref_o), rel(ht, ref_ht))
+    leaves = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
+    assert "token by token" not in str(gdnkit.explain(**leaves, output_final_state=True, cu_seqlens=cu))

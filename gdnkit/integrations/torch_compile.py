@@ -55,7 +55,8 @@ def _define(mode: str):
             mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, needs_grad=needs_grad,
             **_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
                        allow_neg_eigval, state_v_first, cu_seqlens))
-        o, ht, _ = (chosen.chunk_forward if mode == CHUNK_MODE else chosen.recurrent_forward)(problem, inputs)
+        # (the problem's form: a short-sequence chunked call may run token by token, dispatch.short_sequences)
+        o, ht, _ = (chosen.chunk_forward if problem.mode == CHUNK_MODE else chosen.recurrent_forward)(problem, inputs)
         return o, (_no_state(v) if ht is None else ht)
 
     @forward.register_fake
@@ -82,8 +83,8 @@ def _define(mode: str):
             mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, needs_grad=True,
             **_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
                        allow_neg_eigval, state_v_first, cu_seqlens))
-        run_forward = chosen.chunk_forward if mode == CHUNK_MODE else chosen.recurrent_forward
-        run_backward = chosen.chunk_backward if mode == CHUNK_MODE else chosen.recurrent_backward
+        run_forward = chosen.chunk_forward if problem.mode == CHUNK_MODE else chosen.recurrent_forward
+        run_backward = chosen.chunk_backward if problem.mode == CHUNK_MODE else chosen.recurrent_backward
         dht = dht if output_final_state and dht is not None and dht.numel() else None
         with _autograd_inside_op():
             _, _, saved = run_forward(problem, inputs)
