@@ -5,4 +5,5 @@ from .select import (ENV_VAR, SHORT_SEQUENCE, BackendNotSupportedError, Decision
                      valid_names)
 
 __all__ = ["GPU", "Machine", "machine", "probe_machine", "use_machine", "Backend", "backends", "get",
-           "register", "ENV_VAR", "BackendNotSupportedError", "Decision", "decide", "select", "valid_names"]
+           "register", "ENV_VAR", "SHORT_SEQUENCE", "BackendNotSupportedError", "Decision", "decide", "select",
+           "short_sequences", "valid_names"]

@@ -10,6 +10,9 @@ import dataclasses
 import logging
 import os
 
+import torch
+
+from gdnkit import seqlayout
 from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, Problem
 
 from . import registry
@@ -89,14 +92,17 @@ def _origin(source: str) -> str:
     return "backend=" if source == "argument" else f"{ENV_VAR}="
 
 
-def short_sequences(problem: Problem, offsets: tuple[int, ...] | None) -> bool:
+def short_sequences(problem: Problem, cu_seqlens: torch.Tensor | None) -> bool:
     """Whether auto dispatch may run this chunked call token by token: inference on a GPU, no state pool, and
-    every sequence at most SHORT_SEQUENCE tokens. offsets: cu_seqlens on the host (None: a dense [B, T] batch).
-    The longest sequence is only looked for where the mean length is short already (it costs a pass over N)."""
+    every sequence at most SHORT_SEQUENCE tokens (cu_seqlens: the call's validated offsets, None for a dense
+    [B, T] batch). The offsets are read only for a call that qualifies otherwise (a CUDA tensor's are cached since
+    validation read them: no sync), and the longest sequence only looked for where the mean length is short
+    already (it costs a pass over N)."""
     if problem.mode != CHUNK_MODE or problem.needs_grad or problem.serving or problem.device_type != "cuda":
         return False
-    if offsets is None:
+    if cu_seqlens is None:
         return 0 < problem.T <= SHORT_SEQUENCE
+    offsets = seqlayout.host_offsets(cu_seqlens)
     tokens, n = offsets[-1] - offsets[0], len(offsets) - 1
     if tokens == 0 or tokens > SHORT_SEQUENCE * n:
         return False

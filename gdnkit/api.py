@@ -92,7 +92,7 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
                                       **options)
     if needs_grad is not None:
         problem = dataclasses.replace(problem, needs_grad=needs_grad)
-    chosen, decision = dispatch.select(problem, backend, short=_short(problem, inputs))
+    chosen, decision = dispatch.select(problem, backend, short=dispatch.short_sequences(problem, inputs.cu_seqlens))
     problem = decision.problem   # the form it runs in (a short-sequence chunked call: the recurrent one)
     warn_positive_gates(problem, g)
     # Kernels index raw memory; the reference does not care. One place makes layouts plain. A serving
@@ -101,14 +101,6 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
     inputs = inputs._replace(**{name: t.contiguous() for name, t in inputs._asdict().items()
                                 if t is not None and name not in keep})
     return chosen, problem, inputs
-
-
-def _short(problem, inputs) -> bool:
-    """dispatch.short_sequences for this call (the offsets are the ones validation read: cached, no sync)."""
-    if problem.mode != CHUNK_MODE or problem.needs_grad or problem.device_type != "cuda":
-        return False
-    cu = inputs.cu_seqlens
-    return dispatch.short_sequences(problem, None if cu is None else seqlayout.host_offsets(cu))
 
 
 # Eager calls run here, outside Dynamo: dispatch's machine probe and the backends' host-side planning
@@ -314,7 +306,7 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
         raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r}; with mode={mode!r} it takes "
                         f"{call.__name__}'s: {', '.join(taken)}")
     problem, inputs = validate_inputs(mode, q, k, v, g, beta, scale, initial_state, output_final_state, **options)
-    decision = dispatch.decide(problem, backend, short=_short(problem, inputs))
+    decision = dispatch.decide(problem, backend, short=dispatch.short_sequences(problem, inputs.cu_seqlens))
     if decision.runs:
         plan = dispatch.get(decision.chosen).plan(decision.problem, inputs, dispatch.machine())
         if plan:

@@ -262,7 +262,7 @@ def _offsets(lengths):
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
-    return tuple(out)
+    return torch.tensor(out, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("lengths, short", [
