@@ -1,12 +1,14 @@
 """Every kernel of the GPU backends once, at small shapes: the program tests/test_sanitizer.py runs under
 NVIDIA's compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-Run as `python tests/sanitizer_workload.py BACKEND [BACKEND ...]` on a CUDA machine. Shapes are small so an
-instrumented run stays within minutes, but they reach each kernel and route: varlen with an empty and a
-one-token sequence and chunk tails, GVA, initial and final states, the qk l2norm, gate and beta options,
-training (forward + backward), context parallelism (a few long sequences at few heads: segments), and for
-triton_generic the fused recurrent decode with a state pool (1-D and 2-D slot indices, padding rows).
-Prints one line per call and `WORKLOAD DONE` at the end; a sanitizer error is reported by the tool itself.
+Run as `python tests/sanitizer_workload.py BACKEND [CASE ...]` on a CUDA machine (no CASE: every case of CASES
+that BACKEND takes, in one process). Shapes are small so an instrumented run stays within minutes, but the cases
+reach each kernel and route: varlen with an empty and a one-token sequence and chunk tails, GVA, initial and final
+states, the qk l2norm, gate and beta options, training (forward + backward), context parallelism (a few long
+sequences at few heads: segments), a NaN input (the causal repair of its chunk), and for triton_generic the fused
+recurrent decode with a state pool (1-D and 2-D slot indices, padding rows). One case per process is what lets
+initcheck, which checks every load, finish: the test runs the cases side by side.
+Prints one line per case and `WORKLOAD DONE` at the end; a sanitizer error is reported by the tool itself.
 """
 from __future__ import annotations
 
@@ -41,33 +43,42 @@ def _inputs(lengths, H, HV, *, dtype=torch.bfloat16, grad=False, seed=0, state=T
     return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
 
 
-def chunked(backend: str) -> None:
-    cases = [
-        # (lengths, H, HV, training, options)
-        ((0, 1, 64, 135, 70), 2, 8, False, {}),
-        ((0, 1, 64, 135, 70), 2, 8, True, {}),
-        ((200, 1), 4, 16, True, dict(use_qk_l2norm_in_kernel=True)),
-        # few long sequences at few heads: context parallelism's segments (forward and backward)
-        ((3000, 1100), 2, 4, True, {}),
-        ((4160,), 4, 16, False, {}),
-    ]
-    for lengths, H, HV, training, options in cases:
-        call = _inputs(lengths, H, HV, grad=training)
-        with torch.set_grad_enabled(training):
-            o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend, **options)
-            if training:
-                (o.float().square().sum() + ht.square().sum()).backward()
-        torch.cuda.synchronize()
-        print(f"chunk {backend} lengths={lengths} heads={H}/{HV} training={training} {options}", flush=True)
-    # the gate and beta activations in the call (raw inputs)
+# (lengths, H, HV, training, options) of the chunked calls
+_CHUNKED = {
+    "varlen": ((0, 1, 64, 135, 70), 2, 8, False, {}),
+    "varlen-training": ((0, 1, 64, 135, 70), 2, 8, True, {}),
+    "l2norm-training": ((200, 1), 4, 16, True, dict(use_qk_l2norm_in_kernel=True)),
+    # few long sequences at few heads: context parallelism's segments (forward and backward)
+    "segments-training": ((3000, 1100), 2, 4, True, {}),
+    "long-inference": ((4160,), 4, 16, False, {}),
+}
+
+
+def _chunked(name: str, backend: str) -> None:
+    lengths, H, HV, training, options = _CHUNKED[name]
+    call = _inputs(lengths, H, HV, grad=training)
+    with torch.set_grad_enabled(training):
+        o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend, **options)
+        if training:
+            (o.float().square().sum() + ht.square().sum()).backward()
+
+
+def _gate_and_beta_options(backend: str) -> None:
+    """The gate and beta activations in the call (raw inputs)."""
     call = _inputs((130, 7), 2, 4, grad=True, state=False)
     A_log = torch.zeros(4, device="cuda", requires_grad=True)
     dt_bias = torch.zeros(4, device="cuda", requires_grad=True)
     o, _ = gdnkit.chunk_gated_delta_rule(**call, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                          use_beta_sigmoid_in_kernel=True, backend=backend)
     o.float().square().sum().backward()
-    torch.cuda.synchronize()
-    print(f"chunk {backend} gate and beta options", flush=True)
+
+
+def _nan_input(backend: str) -> None:
+    """A NaN in v mid-chunk: the forward's causal repair walks that sequence again from its chunk."""
+    with torch.inference_mode():
+        call = _inputs((100, 150), 2, 8)
+        call["v"][0, 130, 3, 5] = float("nan")
+        gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
 
 
 def decode(backend: str) -> None:
@@ -86,17 +97,31 @@ def decode(backend: str) -> None:
                                                 num_accepted_tokens=acc, backend=backend)
         call = _inputs((5, 0, 9), H, HV)
         gdnkit.fused_recurrent_gated_delta_rule(**call, output_final_state=True, backend=backend)
-    torch.cuda.synchronize()
-    print(f"decode {backend}", flush=True)
 
 
-def main(backends: list[str]) -> None:
-    for backend in backends:
-        chunked(backend)
-        if backend == "triton_generic":
-            decode(backend)
+# name -> (run(backend), the backends it is for; None: every GPU backend)
+CASES = {**{name: (lambda backend, name=name: _chunked(name, backend), None) for name in _CHUNKED},
+         "gate-and-beta-options": (_gate_and_beta_options, None),
+         "nan-input": (_nan_input, None),
+         "decode": (decode, ("triton_generic",))}
+
+
+def cases_for(backend: str) -> list[str]:
+    """The cases of CASES that run on `backend`."""
+    return [name for name, (_, only) in CASES.items() if only is None or backend in only]
+
+
+def main(backend: str, names: list[str]) -> None:
+    for name in names or cases_for(backend):
+        if name not in cases_for(backend):
+            raise SystemExit(f"unknown case {name!r} for {backend}; cases: {', '.join(cases_for(backend))}")
+        CASES[name][0](backend)
+        torch.cuda.synchronize()
+        print(f"{name} {backend} done", flush=True)
     print("WORKLOAD DONE", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or gdnkit.available_backends())
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1], sys.argv[2:])

@@ -1,6 +1,7 @@
-"""compute-sanitizer over every kernel of the GPU backends (tests/sanitizer_workload.py), one tool at a time:
-memcheck (out-of-bounds and misaligned accesses), racecheck (shared-memory hazards), synccheck (barrier misuse),
-initcheck (reads of device memory nothing wrote). Marked gpu and slow: each run instruments every launch.
+"""compute-sanitizer over every kernel of the GPU backends (tests/sanitizer_workload.py), one tool and one
+workload case per process: memcheck (out-of-bounds and misaligned accesses), racecheck (shared-memory hazards),
+synccheck (barrier misuse), initcheck (reads of device memory nothing wrote). Marked gpu and slow: each run
+instruments every launch; run them side by side (`-n 8`): one case is what keeps initcheck within its limit.
 
 GDNKIT_SANITIZER_LOGS=<dir> keeps each run's output there (benchmarks/results/<gpu>/sanitizer.md records them).
 """
@@ -27,17 +28,19 @@ TOOL_ARGS = {"memcheck": ["--leak-check", "no"], "racecheck": ["--racecheck-repo
              "synccheck": [], "initcheck": []}
 
 
-def _gpu_backends() -> list[str]:
+def _runs() -> list[tuple[str, str]]:
+    """(backend, workload case) for every GPU backend here, or one ("none", "none") to skip on."""
     try:
         import gdnkit
-        return [b for b in gdnkit.available_backends() if b != "reference"]
+        from sanitizer_workload import cases_for   # tests/ is on sys.path (pytest's rootdir-relative import)
+        return [(b, case) for b in gdnkit.available_backends() if b != "reference" for case in cases_for(b)]
     except Exception:
         return []
 
 
-@pytest.mark.parametrize("backend", _gpu_backends() or ["none"])
+@pytest.mark.parametrize("backend,case", _runs() or [("none", "none")])
 @pytest.mark.parametrize("tool", TOOLS)
-def test_compute_sanitizer_clean(tool, backend):
+def test_compute_sanitizer_clean(tool, backend, case):
     if backend == "none":
         pytest.skip("no GPU backend on this machine")
     exe = shutil.which("compute-sanitizer") or next(
@@ -47,13 +50,13 @@ def test_compute_sanitizer_clean(tool, backend):
     # --report-api-errors no: torch and Triton probe the driver's entry points (cuGetProcAddress) and expect some
     # lookups to fail; those are API return codes, not kernel errors, and would count in the summary.
     cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--report-api-errors", "no", *TOOL_ARGS[tool],
-           sys.executable, str(WORKLOAD), backend]
+           sys.executable, str(WORKLOAD), backend, case]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     out = run.stdout + run.stderr
     logs = os.environ.get("GDNKIT_SANITIZER_LOGS")
     if logs:
         pathlib.Path(logs).mkdir(parents=True, exist_ok=True)
-        pathlib.Path(logs, f"{tool}-{backend}.log").write_text(out)
+        pathlib.Path(logs, f"{tool}-{backend}-{case}.log").write_text(out)
     assert "WORKLOAD DONE" in out, out[-4000:]
     # memcheck, synccheck, initcheck: "ERROR SUMMARY: n errors"; racecheck: "RACECHECK SUMMARY: n hazards displayed
     # (e errors, w warnings)"
