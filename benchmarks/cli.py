@@ -49,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixes", default=None,
                    help="only these sequence mixes, comma list of their labels, e.g. 1x32768,28672+4096")
     p.add_argument("--impls", default="all",
-                   help="all | comma list of gdnkit, gdnkit:<backend>, fla, flashqla (default all; on a GPU "
+                   help="all | comma list of gdnkit, gdnkit:<backend>, fla, flashqla, flashinfer (default all; on a GPU "
                         "'gdnkit' leaves out the slow PyTorch reference)")
     p.add_argument("--anchors", choices=("live", "cached"), default="live",
-                   help="cached: reuse FLA/FlashQLA rows of an earlier latest.json from the same GPU model and "
+                   help="cached: reuse anchor rows of an earlier latest.json from the same GPU model and "
                         "versions (rows say anchor_same_run=false); points without one are measured")
     p.add_argument("--anchors-from", default=None, help="latest.json to take cached anchor rows from "
                                                         "(default: the one in --out)")

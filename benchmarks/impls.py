@@ -3,9 +3,12 @@
   gdnkit:<backend>  gdnkit's public call with backend=<backend> forced
   fla               FLA 0.6.0's Triton path (fla.ops.gated_delta_rule), FLA_FLASH_QLA=0
   flashqla          FlashQLA 0.1.3 (flash_qla), prefill only
+  flashinfer        FlashInfer 0.7.2 (flashinfer.gdn_prefill / gdn_decode, CuTe-DSL kernels on sm90): prefill
+                    and the fp32-state decode, no backward
 
-The anchors (fla, flash_qla) are imported here, lazily, and nowhere in gdnkit's own code. Nothing
-of theirs is copied: the adapters only call their public functions with FLA's tensor layouts.
+The anchors (fla, flash_qla, flashinfer) are imported here, lazily, and nowhere in gdnkit's own code. Nothing
+of theirs is copied: the adapters only call their public functions, with FLA's tensor layouts where they take
+them and converted once per input set (outside the timed call) where they do not.
 """
 from __future__ import annotations
 
@@ -14,12 +17,18 @@ import importlib.metadata
 import os
 import platform
 import sys
+import weakref
 from typing import Any
 
 import torch
 
 from .grids import Point
-from .inputs import ChunkInputs, call_options
+from .inputs import ChunkInputs, call_options, qk_l2norm_on
+
+# The anchors, in the order results list them (report.py's tables compare every other implementation with FLA,
+# and gdnkit's with each of the others), and how results name them.
+ANCHORS = ("fla", "flashqla", "flashinfer")
+ANCHOR_TITLES = {"fla": "FLA", "flashqla": "FlashQLA", "flashinfer": "FlashInfer"}
 
 
 class Unsupported(Exception):
@@ -143,7 +152,91 @@ class FlashQLAImpl(AnchorImpl):
         raise Unsupported(self.NO_DECODE)
 
 
-ANCHORS = ("fla", "flashqla")
+class FlashInferImpl(AnchorImpl):
+    """FlashInfer's GDN prefill and decode. Its conventions are not FLA's; the adapter converts each input set
+    once, on its first call, and keeps the result beside it (never inside a timed call):
+      - prefill: q/k/v packed [T, H, D] (the harness's B = 1 view), g as the decay factor exp(g) in fp32 [T, HV],
+        beta as given; states V-major [N, HV, V, K], handed back as a transposed view;
+      - decode: the gate's raw inputs, g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b): with
+        A_log = dt_bias = 0, a = log(expm1(-g)) and b = logit(beta), in bf16 as its API takes them (so its gates
+        are the others' within bf16 rounding). Its fp32 decode updates a pool in place: the adapter's pool holds
+        the input states in slots [0, B) and the call writes slots [B, 2B), so every call reads the same states
+        and moves the same bytes as the others; the output buffer is allocated once, as an engine's is."""
+
+    name = "flashinfer"
+    module_name = "flashinfer.gdn_prefill"
+    needs_gpu = "flashinfer's GDN kernels need a CUDA GPU (sm90+)"
+    version_keys = ("flashinfer", "torch")
+    NO_BACKWARD = "flashinfer 0.7.2's GDN prefill has no backward"
+    HEAD_DIMS = "flashinfer's GDN kernels take K = V = 128 only"
+
+    def __init__(self):
+        self._converted: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def unavailable(self, device):
+        if torch.device(device).type != "cuda":
+            return self.needs_gpu
+        try:
+            importlib.import_module("cutlass.cute")
+        except Exception as exc:
+            return ("flashinfer's sm90 GDN kernels are CuTe-DSL programs and need nvidia-cutlass-dsl "
+                    f"(import cutlass.cute: {type(exc).__name__}: {exc})")
+        return super().unavailable(device)
+
+    def skip_reason(self, point):
+        if point.pass_ == "bwd":
+            return self.NO_BACKWARD
+        if (point.K, point.V) != (128, 128):
+            return self.HEAD_DIMS
+        return None
+
+    def _once(self, inp: ChunkInputs, convert) -> Any:
+        """convert(inp), made at inp's first call and dropped with inp."""
+        key = id(inp)
+        hit = self._converted.get(key)
+        if hit is None or hit[0]() is not inp:
+            ref = weakref.ref(inp, lambda _, key=key, cache=self._converted: cache.pop(key, None))
+            hit = self._converted[key] = (ref, convert(inp))
+        return hit[1]
+
+    @staticmethod
+    def prefill_inputs(inp: ChunkInputs) -> dict:
+        h0 = inp.initial_state
+        return dict(q=inp.q[0], k=inp.k[0], v=inp.v[0], g=inp.g[0].float().exp(), beta=inp.beta[0].float(),
+                    initial_state=None if h0 is None else h0.transpose(-1, -2).contiguous(),
+                    cu_seqlens=inp.cu_seqlens)
+
+    @staticmethod
+    def decode_inputs(inp: ChunkInputs) -> dict:
+        B, _, HV, V = inp.v.shape
+        K = inp.k.shape[-1]
+        g, beta = inp.g.float(), inp.beta.float()
+        pool = torch.empty(2 * B, HV, V, K, device=inp.v.device, dtype=torch.float32)
+        pool[:B] = inp.initial_state.transpose(-1, -2)
+        slots = torch.arange(2 * B, device=inp.v.device, dtype=torch.int32)
+        zeros = torch.zeros(HV, device=inp.v.device, dtype=torch.float32)
+        return dict(q=inp.q, k=inp.k, v=inp.v, state=None, A_log=zeros, dt_bias=zeros,
+                    a=torch.log(torch.expm1(-g)).to(torch.bfloat16),
+                    b=torch.logit(beta).to(torch.bfloat16),
+                    initial_state=pool, initial_state_indices=slots[:B], output_state_indices=slots[B:],
+                    output=torch.empty(B, 1, HV, V, device=inp.v.device, dtype=torch.bfloat16))
+
+    def chunk(self, inp, output_final_state=False):
+        m = self._module()
+        out = m.chunk_gated_delta_rule(**self._once(inp, self.prefill_inputs),
+                                       output_final_state=output_final_state, **call_options())
+        if output_final_state:
+            o, state = out
+            return o.unsqueeze(0), state.transpose(-1, -2)
+        return out.unsqueeze(0), None
+
+    def decode(self, inp):
+        m = importlib.import_module("flashinfer.gdn_decode")
+        args = self._once(inp, self.decode_inputs)
+        o, pool = m.gated_delta_rule_decode_pretranspose(**args, use_qk_l2norm=qk_l2norm_on(),
+                                                         backend="flashinfer")
+        B = o.shape[0]
+        return o, pool[B:].transpose(-1, -2)
 
 
 def gdnkit_backends() -> list[str]:
@@ -153,8 +246,8 @@ def gdnkit_backends() -> list[str]:
 
 def resolve(spec: str | None, device) -> list[Impl]:
     """Implementations named by --impls: "all" (default), or a comma list of "gdnkit" (every
-    available gdnkit backend), "gdnkit:<backend>", "fla", "flashqla". Anchors come first, FLA
-    before FlashQLA, so every other output is compared with FLA's on the same inputs."""
+    available gdnkit backend), "gdnkit:<backend>", "fla", "flashqla", "flashinfer". Anchors come first, in
+    ANCHORS' order (FLA first), so every other output is compared with FLA's on the same inputs."""
     device = torch.device(device)
     tokens = [t.strip() for t in (spec or "all").split(",") if t.strip()]
     names: list[str] = []
@@ -165,8 +258,8 @@ def resolve(spec: str | None, device) -> list[Impl]:
 
     for tok in tokens:
         if tok == "all":
-            add("fla")
-            add("flashqla")
+            for anchor in ANCHORS:
+                add(anchor)
             tok = "gdnkit"
         if tok == "gdnkit":
             for b in gdnkit_backends():
@@ -180,22 +273,17 @@ def resolve(spec: str | None, device) -> list[Impl]:
         elif tok in ANCHORS:
             add(tok)
         else:
-            raise ValueError(f"unknown implementation {tok!r}; use all, gdnkit, gdnkit:<backend>, fla, flashqla")
-    names.sort(key=lambda n: (0 if n == "fla" else 1 if n == "flashqla" else 2))
-    out: list[Impl] = []
-    for n in names:
-        if n == "fla":
-            out.append(FlaImpl())
-        elif n == "flashqla":
-            out.append(FlashQLAImpl())
-        else:
-            out.append(GdnkitImpl(n.split(":", 1)[1]))
-    return out
+            raise ValueError(f"unknown implementation {tok!r}; use all, gdnkit, gdnkit:<backend>, "
+                             f"{', '.join(ANCHORS)}")
+    names.sort(key=lambda n: ANCHORS.index(n) if n in ANCHORS else len(ANCHORS))
+    anchors = {"fla": FlaImpl, "flashqla": FlashQLAImpl, "flashinfer": FlashInferImpl}
+    return [anchors[n]() if n in anchors else GdnkitImpl(n.split(":", 1)[1]) for n in names]
 
 
 _DISTS = {
     "torch": ("torch",), "triton": ("triton",), "tilelang": ("tilelang",),
     "fla": ("flash-linear-attention", "fla-core"), "flash_qla": ("flash_qla", "flash-qla"),
+    "flashinfer": ("flashinfer-python", "flashinfer"),
 }
 
 
@@ -240,4 +328,4 @@ def gpu_slug(name: str) -> str:
 
 
 def loaded_anchor_modules() -> list[str]:
-    return [m for m in ("fla", "flash_qla") if m in sys.modules]
+    return [m for m in ("fla", "flash_qla", "flashinfer") if m in sys.modules]

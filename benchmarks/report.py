@@ -4,7 +4,7 @@
                 row with the same (pass, H, HV, seqlens, B, impl), every other row is kept
   details.json  per-row extras (timing method, spread, fwd/fwd+bwd split, decode bandwidth, output
                 difference vs the first implementation), failures and skips, and the runs' commands
-  results.md    the tables: kernel time, speedups over FLA and FlashQLA, accuracy, eager, memory
+  results.md    the tables: kernel time, speedups over FLA, FlashQLA and FlashInfer, accuracy, eager, memory
   speedup.png   speedup over FLA per grid point
   run-<passes>.log  the last run's log (not committed)
 
@@ -20,6 +20,7 @@ import math
 import os
 from pathlib import Path
 
+from .impls import ANCHOR_TITLES, ANCHORS
 from .runner import key_str, row_key, sort_rows
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +42,7 @@ class ResultFiles:
         return self.path(f"run-{'-'.join(passes)}.log")
 
 
-ANCHOR_FLA = "fla"
-ANCHOR_QLA = "flashqla"
+ANCHOR_FLA = ANCHORS[0]
 PASS_TITLES = {"fwd": "Forward (no grad)", "bwd": "Backward ((fwd+bwd) - fwd)", "decode": "Decode (one token, fp32 state)"}
 
 
@@ -99,7 +99,7 @@ def _point_key(row: dict) -> tuple:
 
 
 def _impl_order(impls) -> list[str]:
-    return sorted(set(impls), key=lambda n: (0 if n == ANCHOR_FLA else 1 if n == ANCHOR_QLA else 2, n))
+    return sorted(set(impls), key=lambda n: (ANCHORS.index(n) if n in ANCHORS else len(ANCHORS), n))
 
 
 def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> list[str]:
@@ -112,15 +112,15 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
     by_point: dict[tuple, dict[str, dict]] = {}
     for r in sort_rows(rows):
         by_point.setdefault(_point_key(r), {})[r["impl"]] = r
+    # every implementation against FLA; gdnkit's against each other anchor present
     others = [i for i in impls if i != ANCHOR_FLA]
-    ours = [i for i in impls if i not in (ANCHOR_FLA, ANCHOR_QLA)]
-    ratio_cols = []
-    if ANCHOR_FLA in impls:
-        ratio_cols += [(i, ANCHOR_FLA) for i in others]
-    if ANCHOR_QLA in impls:
-        ratio_cols += [(i, ANCHOR_QLA) for i in ours]
+    ours = [i for i in impls if i not in ANCHORS]
+    ratio_cols = [(i, ANCHOR_FLA) for i in others] if ANCHOR_FLA in impls else []
+    for anchor in ANCHORS[1:]:
+        if anchor in impls:
+            ratio_cols += [(i, anchor) for i in ours]
     head = ["H", "HV", "B" if pass_ == "decode" else "seqlens"] + [f"{i} ms" for i in impls]
-    head += [f"{i} vs {'FLA' if base == ANCHOR_FLA else 'FlashQLA'}" for i, base in ratio_cols]
+    head += [f"{i} vs {ANCHOR_TITLES[base]}" for i, base in ratio_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ratios: dict[tuple, list[float]] = {c: [] for c in ratio_cols}
     for pk, cells in by_point.items():
@@ -139,7 +139,7 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
                 gbps = (details.get(key_str(row_key(r))) or {}).get("state_GBps")
                 if gbps:
                     txt += f" ({gbps:.4g} GB/s)"
-            if i in (ANCHOR_FLA, ANCHOR_QLA) and (other_run or not r.get("anchor_same_run", True)):
+            if i in ANCHORS and (other_run or not r.get("anchor_same_run", True)):
                 txt += "*"
             line.append(txt)
         for c in ratio_cols:

@@ -20,7 +20,7 @@ import torch
 
 from . import accuracy, timing
 from .grids import Grid, Point
-from .impls import Impl, Unsupported, environment_versions, gpu_name
+from .impls import ANCHORS, Impl, Unsupported, environment_versions, gpu_name
 from .inputs import ChunkInputs, gates_kind, make_chunk_inputs, make_decode_inputs, make_point_inputs, \
     qk_l2norm_on, requires_grad_, seed_for, state_bytes
 
@@ -402,7 +402,7 @@ class Runner:
         # Whether this point's anchors were measured in this run, said on every row of the point.
         same_run = anchor_seen and anchors_live
         for row in rows:
-            if not row["impl"] in ("fla", "flashqla"):
+            if row["impl"] not in ANCHORS:
                 row["anchor_same_run"] = same_run
         self.outcome.rows.extend(rows)
         del sets, baseline

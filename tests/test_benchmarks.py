@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gdnkit.benchmarks import cli, grids, impls, inputs, report, runner, timing
 from gdnkit.benchmarks.grids import Grid, Point
@@ -25,7 +26,7 @@ def check_row(row: dict) -> None:
     for k, t in ROW_TYPES.items():
         assert isinstance(row[k], t), f"{k}={row[k]!r} is not {t}"
     assert row["pass"] in ("fwd", "bwd", "decode")
-    assert row["impl"] in ("fla", "flashqla") or row["impl"].startswith("gdnkit:")
+    assert row["impl"] in impls.ANCHORS or row["impl"].startswith("gdnkit:")
     assert row["kernel_ms"] > 0 and math.isfinite(row["kernel_ms"])
     assert (row["B"] is None) == (row["pass"] != "decode")
     assert len(row["date"]) == 10 and row["date"][4] == "-"
@@ -432,6 +433,7 @@ def test_report_ratios_and_chart(tmp_path):
             row("fla", 2.0, "1x32768", same=False), row("gdnkit:t", 1.0, "1x32768", same=False)]
     md = report.markdown(rows, report.empty_details())
     assert "gdnkit:t vs FLA" in md and "gdnkit:t vs FlashQLA" in md and "flashqla vs FLA" in md
+    assert "vs FlashInfer" not in md   # no such rows
     assert "| 2 | 8 | 1x2048 | 1.000 | 0.5000 | 0.2500 | 2.00x | 4.00x | 2.00x |" in md
     assert "2.000*" in md  # a cached anchor is marked
     # a live anchor row whose gdnkit row a later run replaced (that row says its anchors are another run's)
@@ -444,9 +446,96 @@ def test_report_ratios_and_chart(tmp_path):
 
 def test_resolve_implementations():
     names = [i.name for i in impls.resolve("all", "cpu")]
-    assert names[:2] == ["fla", "flashqla"] and "gdnkit:reference" in names
-    assert [i.name for i in impls.resolve("gdnkit:reference,fla", "cpu")] == ["fla", "gdnkit:reference"]
+    assert names[:3] == ["fla", "flashqla", "flashinfer"] and "gdnkit:reference" in names
+    assert [i.name for i in impls.resolve("gdnkit:reference,flashinfer,fla", "cpu")] == [
+        "fla", "flashinfer", "gdnkit:reference"]
     with pytest.raises(ValueError):
-        impls.resolve("flashinfer", "cpu")
+        impls.resolve("flashattention", "cpu")
     assert impls.gpu_slug("NVIDIA H200") == "h200" and impls.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert impls.FlaImpl().unavailable("cpu") and impls.FlashQLAImpl().unavailable("cpu")
+    assert impls.FlashInferImpl().unavailable("cpu")
+
+
+class _FlashInferStandIn:
+    """FlashInfer's documented GDN conventions, computed by a plain float64 recurrence written here: packed
+    [T, H, D] inputs, g as the decay factor, V-major states [.., HV, V, K], and the decode's raw gate inputs
+    (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) on a pool read at one set of slots and written at
+    another. What the adapter must turn the harness's FLA-layout inputs into, and back."""
+
+    @staticmethod
+    def _walk(q, k, v, alpha, beta, M, scale):
+        """One sequence: q, k [T, H, K], v [T, HV, V], alpha/beta [T, HV], M [HV, V, K]; returns o, M."""
+        HV, group = v.shape[1], v.shape[1] // q.shape[1]
+        o = torch.empty(v.shape, dtype=torch.float64)
+        for t in range(q.shape[0]):
+            for h in range(HV):
+                kt, qt = k[t, h // group], q[t, h // group]
+                M[h] = alpha[t, h] * M[h]
+                u = beta[t, h] * (v[t, h] - M[h] @ kt)
+                M[h] = M[h] + torch.outer(u, kt)
+                o[t, h] = scale * (M[h] @ qt)
+        return o, M
+
+    def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+        assert q.dim() == 3 and g.dtype == torch.float32 and bool((g > 0).all() and (g <= 1).all())
+        d = lambda x: x.double()  # noqa: E731
+        HV, V, K = v.shape[1], v.shape[2], k.shape[2]
+        scale = K ** -0.5 if scale is None else scale
+        o = torch.empty(v.shape, dtype=torch.float64)
+        cu = cu_seqlens.tolist()
+        states = torch.empty(len(cu) - 1, HV, V, K, dtype=torch.float64)
+        for n in range(len(cu) - 1):
+            s = slice(cu[n], cu[n + 1])
+            M = torch.zeros(HV, V, K, dtype=torch.float64) if initial_state is None else d(initial_state[n]).clone()
+            o[s], states[n] = self._walk(d(q[s]), d(k[s]), d(v[s]), d(g[s]), d(beta[s]), M, scale)
+        o = o.to(q.dtype)
+        return (o, states.float()) if output_final_state else o
+
+    def gated_delta_rule_decode_pretranspose(self, q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None,
+                                             use_qk_l2norm=True, initial_state=None, initial_state_indices=None,
+                                             output_state_indices=None, backend="auto"):
+        assert state is None and a.dtype == b.dtype == torch.bfloat16 and backend == "flashinfer"
+        g = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
+        beta = torch.sigmoid(b.double())
+        K = k.shape[-1]
+        for i in range(q.shape[0]):
+            M = initial_state[initial_state_indices[i]].double().clone()
+            o, M = self._walk(q[i].double(), k[i].double(), v[i].double(), g[i].exp(), beta[i], M,
+                              K ** -0.5 if scale is None else scale)
+            initial_state[output_state_indices[i]] = M.float()
+            output[i] = o.to(output.dtype)
+        return output, initial_state
+
+
+def test_flashinfer_adapter_converts_to_its_conventions_and_back(monkeypatch):
+    """The FlashInfer adapter against a stand-in that keeps FlashInfer's documented conventions: its prefill
+    and decode results, read back in FLA's layout, are gdnkit's reference results (decode within the bf16 rounding
+    of its raw gate inputs); decode calls repeat exactly and never write the harness's state."""
+    import sys
+    import types
+    stand_in = _FlashInferStandIn()
+    for name in ("flashinfer.gdn_prefill", "flashinfer.gdn_decode"):
+        module = types.ModuleType(name)
+        for fn in ("chunk_gated_delta_rule", "gated_delta_rule_decode_pretranspose"):
+            setattr(module, fn, getattr(stand_in, fn))
+        monkeypatch.setitem(sys.modules, name, module)
+    fi, ref = impls.FlashInferImpl(), impls.GdnkitImpl("reference")
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+
+    inp = inputs.make_chunk_inputs(1, 2, (3, 6), 128, 128, "cpu", seed=5, initial_state=True)
+    o, state = fi.chunk(inp, output_final_state=True)
+    o_ref, state_ref = ref.chunk(inp, output_final_state=True)
+    assert o.shape == o_ref.shape and state.shape == state_ref.shape
+    assert rel(o, o_ref) < 1e-2 and rel(state, state_ref) < 1e-5
+    assert fi.chunk(inp)[1] is None
+
+    dec = inputs.make_decode_inputs(3, 1, 2, 128, 128, "cpu", seed=6)
+    h0 = dec.initial_state.clone()
+    o, state = fi.decode(dec)
+    o_ref, state_ref = ref.decode(dec)
+    assert rel(o, o_ref) < 1e-2 and rel(state, state_ref) < 1e-2
+    o2, state2 = fi.decode(dec)
+    assert torch.equal(o, o2) and torch.equal(state, state2) and torch.equal(dec.initial_state, h0)
+    point = grids.Point("bwd", 1, 2, (64,), K=128, V=128)
+    assert fi.skip_reason(point) == impls.FlashInferImpl.NO_BACKWARD
