@@ -91,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "first_call.json").write_text(json.dumps(dict(gpu=gpu, cpus=os.cpu_count(), rows=rows), indent=1))
     lines = [f"First call at a new head configuration, empty caches ({gpu}, {os.cpu_count()} CPUs)", "",
-             "| heads | tokens | call | build workers | backend | import s | first call s | second ms | "
-             "built by workers | their compile s (summed) | compiled in the call |", "|" + "---|" * 11]
+             "| heads | tokens | call | build workers | backend | import s | first call s | of it: dry run s | "
+             "build s | load wait s | second ms | built by workers | their compile s (summed) | compiled in the call |",
+             "|" + "---|" * 14]
     lines += [f"| {r['heads']} | {r['tokens']} | {r['call']} | {r['workers']} | {r['backend']} | {r['import_s']:.1f} | "
-              f"{r['first_s']:.1f} | {r['second_ms']:.1f} | {r['built_by_workers']} | {r['worker_seconds']:.0f} | "
-              f"{r['compiled_in_call']} |" for r in rows]
+              f"{r['first_s']:.1f} | {r.get('dry_run_seconds', 0):.1f} | {r.get('build_seconds', 0):.1f} | "
+              f"{r.get('load_wait_seconds', 0):.1f} | {r['second_ms']:.1f} | {r['built_by_workers']} | "
+              f"{r['worker_seconds']:.0f} | {r['compiled_in_call']} |" for r in rows]
     (args.out / "first_call.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -185,3 +185,43 @@ print("ok")
         out = subprocess.run([sys.executable, "-c", script, step], env=env, capture_output=True, text=True,
                              timeout=900)
         assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_kernels_load_in_a_thread_as_their_builds_end(cache, monkeypatch):
+    """While the workers build, a thread of the calling process loads each kernel whose build ended (and those a
+    recorded job found on disk), so the call itself loads none; a kernel that thread cannot load is left to the
+    call."""
+    threads, built = [], []
+    monkeypatch.setattr(kernel_build, "build", _fake_build(built))
+
+    @kernel_build.kernel_factory
+    def sub_kernel(a: int, b: int):
+        threads.append(threading.current_thread().name)
+        return lambda out: out.append(a - b)
+
+    @kernel_build.kernel_factory
+    def flaky_kernel(a: int):
+        threads.append(threading.current_thread().name)
+        if threading.current_thread().name == "gdnkit-kernel-preload":
+            raise RuntimeError("not in that thread")
+        return lambda out: out.append(-a)
+
+    module = sub_kernel.__module__.rsplit(".", 1)[-1]
+    kernel_build._mark_built(Job(module, "sub_kernel", (9, 1)))    # on disk already: preloaded at once
+
+    def call():
+        out = []
+        sub_kernel(5, 2)(out)
+        sub_kernel(9, 1)(out)
+        flaky_kernel(4)(out)
+        return out
+
+    before = dict(kernel_build.counts)
+    assert kernel_build.first_call(call, call, lambda: "H=1, HV=2") == [3, 8, -4]
+    assert built == [[Job(module, "sub_kernel", (5, 2)), Job(module, "flaky_kernel", (4,))]]
+    preload = "gdnkit-kernel-preload"
+    assert threads.count(preload) == 3            # both sub_kernels and the flaky kernel's failed load
+    assert [t for t in threads if t != preload] == [threading.main_thread().name]   # the flaky one, by the call
+    assert kernel_build.counts["loaded_from_disk"] - before["loaded_from_disk"] == 3
+    assert kernel_build.counts["dry_run_seconds"] > before["dry_run_seconds"]
+    assert kernel_build.counts["build_seconds"] > before["build_seconds"]

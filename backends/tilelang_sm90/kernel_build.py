@@ -14,7 +14,10 @@ new head configuration needs ~15 of them, which one process used to compile one 
   without a marker, in worker processes (all cores by default; GDNKIT_BUILD_WORKERS), the slowest first, one
   progress line on stderr, and runs the call for real: its kernels load from the disk cache. The workers are
   started when the first NotBuilt is raised, so their start (an interpreter importing torch and TileLang, seconds)
-  runs beside the dry run and the Triton compiles it triggers instead of after them.
+  runs beside the dry run and the Triton compiles it triggers instead of after them. While they build, a thread of
+  the calling process (idle but for waiting) imports TileLang and loads each kernel as its build ends, and the
+  recorded kernels already on disk at once: a load elaborates the kernel's program and opens its library (~1 s),
+  so only the last kernel's load is left after the build.
 - Every compile holds a file lock on its kernel's marker: two threads or processes that want the same kernel
   build it once; the second finds the marker and loads.
 
@@ -80,8 +83,13 @@ class _Mode(threading.local):
 _mode = _Mode()
 _loaded: set[Job] = set()             # kernels this process holds (compiled or loaded from disk)
 # What this process did: kernels built by worker processes (and their compile seconds, summed), kernels a call
-# compiled itself (no marker: a capture, a single worker, or one a dry run missed) and kernels loaded from disk.
-counts = {"built_by_workers": 0, "worker_seconds": 0.0, "compiled_in_call": 0, "loaded_from_disk": 0}
+# compiled itself (no marker: a capture, a single worker, or one a dry run missed) and kernels loaded from disk;
+# and where its first calls' time went, summed over them: the dry runs, the builds (from the dry run's end to the
+# last kernel built) and the loads left after the builds.
+counts = {"built_by_workers": 0, "worker_seconds": 0.0, "compiled_in_call": 0, "loaded_from_disk": 0,
+          "dry_run_seconds": 0.0, "build_seconds": 0.0, "load_wait_seconds": 0.0}
+# Every factory by (module, name): what a Job names, for loading it ahead of its call (_Preloader).
+_FACTORIES: dict[tuple[str, str], Callable] = {}
 _build_lock = threading.Lock()        # one parallel build at a time in a process (threads wait, then find markers)
 
 
@@ -96,7 +104,28 @@ def kernel_factory(fn: Callable) -> Callable:
     """fn(*args) -> kernel, cached per arguments, recorded in dry runs and built under its marker's lock."""
     module = fn.__module__.rsplit(".", 1)[-1]
     signature = inspect.signature(fn)
-    kernels: dict = {}
+    kernels: dict = {}   # the call's own arguments -> (build, kernel): what every launch after the first looks up
+    by_job: dict = {}    # Job -> (build, kernel): every kernel this process holds, whoever asked for it first
+
+    def obtain(job: Job):
+        """job's kernel: held, else loaded from disk or compiled (under its marker's lock), once per process."""
+        built_by, kernel = by_job.get(job, _NOTHING)
+        if built_by is factory.uncached:
+            return kernel
+        if _mode.mode == _STRICT and job not in _loaded and not is_built(job):
+            raise NotBuilt(str(job))
+        build = factory.uncached
+        with _marker_lock(job):
+            built_by, kernel = by_job.get(job, _NOTHING)
+            if built_by is build:            # another thread of this process got it meanwhile
+                return kernel
+            from_disk = is_built(job)
+            kernel = build(*job.args)
+            counts["loaded_from_disk" if from_disk else "compiled_in_call"] += 1
+            _mark_built(job)
+            by_job[job] = (build, kernel)
+        _loaded.add(job)
+        return kernel
 
     @functools.wraps(fn)
     def factory(*args, **kwargs):
@@ -113,24 +142,20 @@ def kernel_factory(fn: Callable) -> Callable:
             _mode.recorded[job] = None
             return _no_launch
         if kernel is None:
-            if _mode.mode == _STRICT and job not in _loaded and not is_built(job):
-                raise NotBuilt(str(job))
-            build = factory.uncached
-            with _marker_lock(job):
-                counts["loaded_from_disk" if is_built(job) else "compiled_in_call"] += 1
-                kernel = build(*job.args)
-                _mark_built(job)
-            kernels[key] = (build, kernel)
-            _loaded.add(job)
+            kernel = obtain(job)
+            kernels[key] = (factory.uncached, kernel)
         return kernel
 
     def cache_clear() -> None:
         for job in [j for j in _loaded if j.module == module and j.factory == fn.__name__]:
             _loaded.discard(job)
         kernels.clear()
+        by_job.clear()
 
     factory.uncached = fn            # what compiles (tests put stand-ins here, under the caching and recording)
+    factory.obtain = obtain
     factory.cache_clear = cache_clear
+    _FACTORIES[(module, fn.__name__)] = factory
     return factory
 
 
@@ -220,12 +245,53 @@ def first_call(call: Callable, dry_run: Callable[[], None], what: Callable[[], s
     finally:
         _mode.mode = None
     started = _started_workers(min(WORKERS, PRESTARTED))   # they import while the dry run runs
+    preloader = None
     try:
-        build_missing(recorded_jobs(dry_run), what(), started)
+        begun = time.monotonic()
+        jobs = recorded_jobs(dry_run)
+        counts["dry_run_seconds"] += time.monotonic() - begun
+        # started after the dry run, which would otherwise share the interpreter with its imports
+        preloader = _Preloader([j for j in jobs if j not in _loaded and is_built(j)])
+        begun = time.monotonic()
+        build_missing(jobs, what(), started, preloader.built)
+        counts["build_seconds"] += time.monotonic() - begun
     finally:
         for process in started:   # those no job needed
             _stop(process)
+        if preloader is not None:
+            begun = time.monotonic()
+            preloader.finish()
+            counts["load_wait_seconds"] += time.monotonic() - begun
     return call()
+
+
+class _Preloader:
+    """A thread that imports TileLang, then loads into this process each job handed to it (`built`), in order,
+    until `finish`. A job it cannot load is left for the call itself, which loads or compiles it and reports any
+    error where it happens."""
+
+    def __init__(self, jobs: list[Job]):
+        self._jobs: queue.Queue = queue.Queue()
+        for job in jobs:
+            self._jobs.put(job)
+        self._thread = threading.Thread(target=self._run, name="gdnkit-kernel-preload", daemon=True)
+        self._thread.start()
+
+    def built(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def finish(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):
+            import tilelang  # noqa: F401
+        while (job := self._jobs.get()) is not None:
+            factory = _FACTORIES.get((job.module, job.factory))
+            if factory is not None:
+                with contextlib.suppress(Exception):
+                    factory.obtain(job)
 
 
 def _capturing() -> bool:
@@ -248,11 +314,21 @@ def recorded_jobs(dry_run: Callable[[], None]) -> list[Job]:
     return jobs
 
 
-def build_missing(jobs: list[Job], what: str, started: list | None = None) -> None:
+def build_missing(jobs: list[Job], what: str, started: list | None = None,
+                  built: Callable[[Job], None] = lambda job: None) -> None:
+    """Builds the jobs no process has built, in workers (`started` first); built(job) as each one's build ends
+    well."""
     with _build_lock:
         missing = [j for j in jobs if j not in _loaded and not is_built(j)]
         if missing:
-            for job, seconds, error in build(missing, WORKERS, _Progress(what, len(missing)), started):
+            progress = _Progress(what, len(missing))
+
+            def report(job: Job, seconds: float, error: str | None) -> None:
+                progress(job, seconds, error)
+                if error is None:
+                    built(job)
+
+            for job, seconds, error in build(missing, WORKERS, report, started):
                 counts["built_by_workers"] += error is None
                 counts["worker_seconds"] += seconds
 
