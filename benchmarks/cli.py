@@ -21,7 +21,8 @@ import torch
 from . import grids, report, timing
 from .grids import PASSES
 from .impls import environment_versions, gpu_name, gpu_slug, resolve
-from .inputs import GATES, GATES_ENV, QK_L2NORM_ENV, gates_kind, qk_l2norm_on
+from .inputs import DECODE_STATE_DTYPES, GATES, GATES_ENV, QK_L2NORM_ENV, STATE_DTYPE_ENV, decode_state_dtype, \
+    gates_kind, qk_l2norm_on
 from .warm import warm
 from .runner import RunConfig, find_cached, merge_rows, run_grid
 
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qk-l2norm", action="store_true",
                    help="raw q / k, normalised by every implementation in the call (use_qk_l2norm_in_kernel, as "
                         "Qwen3.5-style layers call it); rows go to their own files (qk-l2norm-latest.json, ...)")
+    p.add_argument("--state-dtype", choices=tuple(DECODE_STATE_DTYPES), default=None,
+                   help="the decode points' states: float32 (the default: a dense state in, a new final state out) "
+                        "or bfloat16 (a state pool each implementation updates in place, as serving engines keep "
+                        "it); bf16 rows go to their own files (bf16-state-latest.json, ...)")
     return p
 
 
@@ -92,13 +97,16 @@ def default_out_dir(device: torch.device) -> Path:
 
 def result_kind(grid_name: str) -> str:
     """The prefix of a run's files in its folder: "" for the quick (or CPU tiny) grid with the default inputs,
-    else the grid, the gate distribution and the q / k normalisation that set it apart, e.g. "full",
-    "model-gates", "qk-l2norm", "full-model-gates". Kinds never merge into one another's rows."""
+    else the grid, the gate distribution, the q / k normalisation and the decode state dtype that set it apart,
+    e.g. "full", "model-gates", "qk-l2norm", "full-model-gates", "bf16-state". Kinds never merge into one another's
+    rows."""
     parts = [] if grid_name in ("quick", "tiny") else [grid_name]
     if gates_kind() != "random":
         parts.append(f"{gates_kind()}-gates")
     if qk_l2norm_on():
         parts.append("qk-l2norm")
+    if decode_state_dtype() == torch.bfloat16:
+        parts.append("bf16-state")
     return "-".join(parts)
 
 
@@ -109,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[GATES_ENV] = args.gates
     if args.qk_l2norm:
         os.environ[QK_L2NORM_ENV] = "1"
+    if args.state_dtype:
+        os.environ[STATE_DTYPE_ENV] = args.state_dtype
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     grid_name = args.grid or ("quick" if device.type == "cuda" else "tiny")
     out_dir = Path(args.out) if args.out else default_out_dir(device)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .grids import Point
-from .inputs import ChunkInputs, call_options, qk_l2norm_on
+from .inputs import ChunkInputs, call_options, decode_state_dtype, qk_l2norm_on
 
 # The anchors, in the order results list them (report.py's tables compare every other implementation with FLA,
 # and gdnkit's with each of the others), and how results name them.
@@ -40,6 +40,17 @@ class Impl:
     is_anchor: bool = False
     # Versions that must match for a row of an earlier run to stand in for this one (--anchors cached).
     version_keys: tuple[str, ...] = ("torch",)
+
+    def _once(self, inp: ChunkInputs, convert) -> Any:
+        """convert(inp), made at this implementation's first call of inp and dropped with inp: what it needs
+        beside an input set (another layout, its own state pool) is made outside the timed calls."""
+        cache = self.__dict__.setdefault("_converted", {})
+        key = id(inp)
+        hit = cache.get(key)
+        if hit is None or hit[0]() is not inp:
+            ref = weakref.ref(inp, lambda _, key=key: cache.pop(key, None))
+            hit = cache[key] = (ref, convert(inp))
+        return hit[1]
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this implementation cannot run here at all; None when it can."""
@@ -88,9 +99,15 @@ class GdnkitImpl(Impl):
 
     def decode(self, inp):
         import gdnkit
+        if inp.initial_state.dtype == torch.float32:
+            return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                              initial_state=inp.initial_state, output_final_state=True,
+                              cu_seqlens=inp.cu_seqlens, **call_options())
+        # a 16-bit state: this implementation's own pool of the batch's states, updated in place
+        pool, slots = self._once(inp, lambda i: (i.initial_state.clone(), torch.arange(
+            i.initial_state.shape[0], device=i.initial_state.device, dtype=torch.int32)))
         return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
-                          initial_state=inp.initial_state, output_final_state=True,
-                          cu_seqlens=inp.cu_seqlens, **call_options())
+                          initial_state=pool, ssm_state_indices=slots, **call_options())
 
 
 class AnchorImpl(Impl):
@@ -131,6 +148,13 @@ class FlaImpl(AnchorImpl):
         os.environ["FLA_FLASH_QLA"] = "0"
         return super()._module()
 
+    NO_POOL = "FLA 0.6's decode takes no state pool (it writes a new fp32 final state), so no 16-bit state in place"
+
+    def skip_reason(self, point):
+        if point.pass_ == "decode" and decode_state_dtype() != torch.float32:
+            return self.NO_POOL
+        return None
+
     def decode(self, inp):
         m = self._module()
         return m.fused_recurrent_gated_delta_rule(inp.q, inp.k, inp.v, g=inp.g, beta=inp.beta,
@@ -159,9 +183,10 @@ class FlashInferImpl(AnchorImpl):
         beta as given; states V-major [N, HV, V, K], handed back as a transposed view;
       - decode: the gate's raw inputs, g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b): with
         A_log = dt_bias = 0, a = log(expm1(-g)) and b = logit(beta), in bf16 as its API takes them (so its gates
-        are the others' within bf16 rounding). Its fp32 decode updates a pool in place: the adapter's pool holds
-        the input states in slots [0, B) and the call writes slots [B, 2B), so every call reads the same states
-        and moves the same bytes as the others; the output buffer is allocated once, as an engine's is."""
+        are the others' within bf16 rounding). Its decode updates a pool (of the states' dtype: fp32 takes its
+        legacy kernel, bf16 its fast path) in place: the adapter's pool holds the input states in slots [0, B) and
+        the call writes slots [B, 2B), so every call reads the same states and moves the same bytes as the
+        others; the output buffer is allocated once, as an engine's is."""
 
     name = "flashinfer"
     module_name = "flashinfer.gdn_prefill"
@@ -169,9 +194,6 @@ class FlashInferImpl(AnchorImpl):
     version_keys = ("flashinfer", "torch")
     NO_BACKWARD = "flashinfer 0.7.2's GDN prefill has no backward"
     HEAD_DIMS = "flashinfer's GDN kernels take K = V = 128 only"
-
-    def __init__(self):
-        self._converted: dict[int, tuple[weakref.ref, Any]] = {}
 
     def unavailable(self, device):
         if torch.device(device).type != "cuda":
@@ -190,15 +212,6 @@ class FlashInferImpl(AnchorImpl):
             return self.HEAD_DIMS
         return None
 
-    def _once(self, inp: ChunkInputs, convert) -> Any:
-        """convert(inp), made at inp's first call and dropped with inp."""
-        key = id(inp)
-        hit = self._converted.get(key)
-        if hit is None or hit[0]() is not inp:
-            ref = weakref.ref(inp, lambda _, key=key, cache=self._converted: cache.pop(key, None))
-            hit = self._converted[key] = (ref, convert(inp))
-        return hit[1]
-
     @staticmethod
     def prefill_inputs(inp: ChunkInputs) -> dict:
         h0 = inp.initial_state
@@ -211,7 +224,7 @@ class FlashInferImpl(AnchorImpl):
         B, _, HV, V = inp.v.shape
         K = inp.k.shape[-1]
         g, beta = inp.g.float(), inp.beta.float()
-        pool = torch.empty(2 * B, HV, V, K, device=inp.v.device, dtype=torch.float32)
+        pool = torch.empty(2 * B, HV, V, K, device=inp.v.device, dtype=inp.initial_state.dtype)
         pool[:B] = inp.initial_state.transpose(-1, -2)
         slots = torch.arange(2 * B, device=inp.v.device, dtype=torch.int32)
         zeros = torch.zeros(HV, device=inp.v.device, dtype=torch.float32)

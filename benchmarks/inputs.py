@@ -8,7 +8,9 @@ softplus), g = -A softplus(a + dt_bias) with a ~ N(0, 1) per token. Its slowest 
 where logsigmoid(randn) decays ~0.8, which decides how context parallelism can start its segments.
 GDNKIT_BENCH_QK_L2NORM=1 (`bench --qk-l2norm`) draws q and k raw and has every implementation normalise them
 in the call (use_qk_l2norm_in_kernel, as Qwen3.5-style layers call it). Decode: B sequences of one new token
-each, a random fp32 state, output_final_state=True.
+each, a random fp32 state, output_final_state=True; GDNKIT_BENCH_STATE_DTYPE=bfloat16 (`bench --state-dtype
+bfloat16`) draws the decode states in bf16 instead, which every implementation updates in a state pool in place,
+as serving engines keep them.
 Every tensor is random (never zeros: zeros hide unwritten outputs and can run faster than real data)
 and drawn from a generator seeded by the grid point, so every implementation sees the same inputs.
 """
@@ -30,6 +32,8 @@ STATE_DTYPE = torch.float32
 GATES_ENV = "GDNKIT_BENCH_GATES"
 GATES = ("random", "model")
 QK_L2NORM_ENV = "GDNKIT_BENCH_QK_L2NORM"
+STATE_DTYPE_ENV = "GDNKIT_BENCH_STATE_DTYPE"
+DECODE_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def gates_kind() -> str:
@@ -47,6 +51,20 @@ def qk_l2norm_on() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{QK_L2NORM_ENV}={value!r}: 0 or 1")
     return value == "1"
+
+
+def decode_state_dtype() -> torch.dtype:
+    """The dtype of this process's decode states (STATE_DTYPE_ENV, read as gates_kind is)."""
+    value = os.environ.get(STATE_DTYPE_ENV, "float32")
+    if value not in DECODE_STATE_DTYPES:
+        raise ValueError(f"{STATE_DTYPE_ENV}={value!r}: choose from {', '.join(DECODE_STATE_DTYPES)}")
+    return DECODE_STATE_DTYPES[value]
+
+
+def state_dtype_name(point: Point) -> str:
+    """What a row of `point` records as its state dtype: the decode states', fp32 elsewhere."""
+    dtype = decode_state_dtype() if point.pass_ == "decode" else STATE_DTYPE
+    return next(name for name, d in DECODE_STATE_DTYPES.items() if d == dtype)
 
 
 def call_options() -> dict:
@@ -136,7 +154,7 @@ def make_chunk_inputs(H: int, HV: int, seqlens, K: int, V: int, device, seed: in
 
 
 def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: int) -> ChunkInputs:
-    """B sequences, one token each, dense batch (no cu_seqlens), random fp32 state."""
+    """B sequences, one token each, dense batch (no cu_seqlens), a random state in decode_state_dtype()."""
     device = torch.device(device)
     gen = _generator(device, seed)
 
@@ -148,7 +166,7 @@ def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: in
     v = randn(B, 1, HV, V).to(DTYPE)
     g = _gates((B, 1, HV), gen, device).to(GATE_DTYPE)
     beta = torch.sigmoid(torch.rand(B, 1, HV, generator=gen, device=device)).to(GATE_DTYPE)
-    h0 = randn(B, HV, K, V).to(STATE_DTYPE)
+    h0 = randn(B, HV, K, V).to(decode_state_dtype())
     return ChunkInputs(q, k, v, g, beta, None, h0, None)
 
 
@@ -163,8 +181,8 @@ def make_point_inputs(point: Point, device, set_index: int = 0,
 
 
 def state_bytes(point: Point) -> int:
-    """Bytes of the fp32 state a decode step reads (and writes back)."""
-    return (point.B or 1) * point.HV * point.K * point.V * torch.finfo(STATE_DTYPE).bits // 8
+    """Bytes of the state a decode step reads (and writes back), in decode_state_dtype()."""
+    return (point.B or 1) * point.HV * point.K * point.V * torch.finfo(decode_state_dtype()).bits // 8
 
 
 def requires_grad_(inp: ChunkInputs) -> ChunkInputs:

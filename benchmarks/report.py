@@ -43,7 +43,15 @@ class ResultFiles:
 
 
 ANCHOR_FLA = ANCHORS[0]
-PASS_TITLES = {"fwd": "Forward (no grad)", "bwd": "Backward ((fwd+bwd) - fwd)", "decode": "Decode (one token, fp32 state)"}
+PASS_TITLES = {"fwd": "Forward (no grad)", "bwd": "Backward ((fwd+bwd) - fwd)", "decode": "Decode (one token, {state} state)"}
+
+
+def pass_title(rows: list[dict], pass_: str) -> str:
+    """PASS_TITLES[pass_], with the decode rows' state dtype(s) ("fp32", "bf16 pool")."""
+    names = {"float32": "fp32", "bfloat16": "bf16 pool"}
+    states = sorted({names.get(r.get("state_dtype", "float32"), r.get("state_dtype"))
+                     for r in rows if r["pass"] == pass_}) or ["fp32"]
+    return PASS_TITLES[pass_].format(state=" / ".join(states))
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -209,7 +217,8 @@ def markdown(rows: list[dict], details: dict) -> str:
             "sigmoid(rand), packed with cu_seqlens. \"X vs FLA\" is FLA's time over X's (above 1: X "
             "is faster). `*`: anchor figure reused from an earlier run (anchor_same_run = false). "
             "Backward is (forward+backward) - forward, both with autograd on. Decode bandwidth counts "
-            "the fp32 state read and written once.", ""]
+            "the state read and written once, in its dtype (a bf16 pool is updated in place by each "
+            "implementation that takes one).", ""]
     if "cpu" in gpus:
         out += ["CPU rows come from the `tiny` grid (K = V = 16, host wall time): a smoke test of the "
                 "harness, not a result.", ""]
@@ -217,7 +226,7 @@ def markdown(rows: list[dict], details: dict) -> str:
     for p in ("fwd", "bwd", "decode"):
         t = pass_table(rows, p, drow)
         if t:
-            out += [f"## {PASS_TITLES[p]}", ""] + t + [""]
+            out += [f"## {pass_title(rows, p)}", ""] + t + [""]
 
     # accuracy: one value per (pass, head config, implementation)
     acc: dict[tuple, dict[str, float]] = {}
@@ -321,7 +330,7 @@ def chart(rows: list[dict], path: Path) -> bool:
         else:
             ax.set_yscale("log")
             ax.set_ylabel("kernel ms (no FLA rows)")
-        ax.set_title(f"{PASS_TITLES[p]} — H/HV seqlens", fontsize=9)
+        ax.set_title(f"{pass_title(prow, p)} — H/HV seqlens", fontsize=9)
         if impls:
             ax.legend(fontsize=7)
     gpus = ", ".join(sorted({r["gpu"] for r in rows}))
@@ -349,5 +358,5 @@ def short_table(rows: list[dict], details: dict, points: set | None = None) -> s
     for p in ("fwd", "bwd", "decode"):
         t = pass_table(rows, p, details.get("rows", {}))
         if t:
-            out += [f"{PASS_TITLES[p]}:"] + t + [""]
+            out += [f"{pass_title(rows, p)}:"] + t + [""]
     return "\n".join(out)

@@ -22,10 +22,10 @@ from . import accuracy, timing
 from .grids import Grid, Point
 from .impls import ANCHORS, Impl, Unsupported, environment_versions, gpu_name
 from .inputs import ChunkInputs, gates_kind, make_chunk_inputs, make_decode_inputs, make_point_inputs, \
-    qk_l2norm_on, requires_grad_, seed_for, state_bytes
+    qk_l2norm_on, requires_grad_, seed_for, state_bytes, state_dtype_name
 
 ROW_FIELDS = ("pass", "H", "HV", "seqlens", "B", "impl", "kernel_ms", "eager_ms", "peak_mem_bytes",
-              "rel_err_vs_ref", "anchor_same_run", "gpu", "date", "versions", "gates", "qk_l2norm")
+              "rel_err_vs_ref", "anchor_same_run", "gpu", "date", "versions", "gates", "qk_l2norm", "state_dtype")
 
 # Rotate input sets until they span this many L2 caches, so small problems are not timed from cache.
 L2_MULTIPLE = 4
@@ -68,12 +68,13 @@ def _tokens(label: str) -> int:
 
 def find_cached(rows: list[dict], point: Point, impl: Impl, gpu: str, versions: dict) -> dict | None:
     """An earlier row that may stand in for measuring `impl` at `point` now: same point, same GPU
-    model, same gate distribution and q / k normalisation, and the same versions of what decides that
-    implementation's speed (where known here)."""
+    model, same gate distribution, q / k normalisation and state dtype, and the same versions of what decides
+    that implementation's speed (where known here)."""
     want = point_row_key(point, impl.name)
     for row in rows:
         if row_key(row) != want or row.get("gpu") != gpu or row.get("gates", "random") != gates_kind() \
-                or row.get("qk_l2norm", False) != qk_l2norm_on():
+                or row.get("qk_l2norm", False) != qk_l2norm_on() \
+                or row.get("state_dtype", "float32") != state_dtype_name(point):
             continue
         old = row.get("versions") or {}
         if all(versions.get(k) is None or old.get(k) == versions.get(k) for k in impl.version_keys):
@@ -209,7 +210,8 @@ class Runner:
                 "peak_mem_bytes": None if peak is None else int(peak),
                 "rel_err_vs_ref": None if rel_err is None or not math.isfinite(rel_err) else float(rel_err),
                 "anchor_same_run": bool(anchor_same_run), "gpu": self.gpu, "date": self.date,
-                "versions": dict(self.versions), "gates": gates_kind(), "qk_l2norm": qk_l2norm_on()}
+                "versions": dict(self.versions), "gates": gates_kind(), "qk_l2norm": qk_l2norm_on(),
+                "state_dtype": state_dtype_name(point)}
 
     def _unavailable_reason(self, impl: Impl) -> str | None:
         if impl.name not in self._unavailable:

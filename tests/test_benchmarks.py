@@ -5,6 +5,7 @@ failure, skip and cached-anchor paths run without a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,7 @@ from gdnkit.benchmarks.grids import Grid, Point
 ROW_TYPES = {"pass": str, "H": int, "HV": int, "seqlens": str, "B": (int, type(None)), "impl": str,
              "kernel_ms": float, "eager_ms": (float, type(None)), "peak_mem_bytes": (int, type(None)),
              "rel_err_vs_ref": (float, type(None)), "anchor_same_run": bool, "gpu": str, "date": str,
-             "versions": dict, "gates": str, "qk_l2norm": bool}
+             "versions": dict, "gates": str, "qk_l2norm": bool, "state_dtype": str}
 
 
 def check_row(row: dict) -> None:
@@ -380,12 +381,15 @@ def test_each_kind_of_result_is_files_in_the_gpu_models_folder(tmp_path, monkeyp
     the quick grid's, never into its rows."""
     monkeypatch.delenv(inputs.GATES_ENV, raising=False)
     monkeypatch.delenv(inputs.QK_L2NORM_ENV, raising=False)
+    monkeypatch.delenv(inputs.STATE_DTYPE_ENV, raising=False)
     assert cli.result_kind("quick") == cli.result_kind("tiny") == ""
     assert cli.result_kind("full") == "full"
     monkeypatch.setenv(inputs.GATES_ENV, "model")
     assert cli.result_kind("quick") == "model-gates"
     monkeypatch.setenv(inputs.QK_L2NORM_ENV, "1")
     assert cli.result_kind("full") == "full-model-gates-qk-l2norm"
+    monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "bfloat16")
+    assert cli.result_kind("full") == "full-model-gates-qk-l2norm-bf16-state"
     files = report.ResultFiles(tmp_path, "full")
     assert (files.latest.name, files.details.name, files.results.name, files.chart.name) == (
         "full-latest.json", "full-details.json", "full-results.md", "full-speedup.png")
@@ -539,3 +543,36 @@ def test_flashinfer_adapter_converts_to_its_conventions_and_back(monkeypatch):
     assert torch.equal(o, o2) and torch.equal(state, state2) and torch.equal(dec.initial_state, h0)
     point = grids.Point("bwd", 1, 2, (64,), K=128, V=128)
     assert fi.skip_reason(point) == impls.FlashInferImpl.NO_BACKWARD
+
+
+def test_bf16_state_decode_updates_each_implementations_own_pool(monkeypatch):
+    """--state-dtype bfloat16: decode states in bf16, which gdnkit updates in a pool of its own in place (the
+    serving call), equal to the fp32-state call on the same values within bf16; FLA, which takes no pool, is
+    skipped; rows and files say the state dtype."""
+    monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "bfloat16")
+    point = Point("decode", 1, 2, (1,) * 3, B=3, K=16, V=16)
+    inp = inputs.make_point_inputs(point, "cpu")
+    assert inp.initial_state.dtype == torch.bfloat16
+    assert inputs.state_bytes(point) == 3 * 2 * 16 * 16 * 2 and inputs.state_dtype_name(point) == "bfloat16"
+    assert inputs.state_dtype_name(Point("fwd", 1, 2, (8,), K=16, V=16)) == "float32"
+    h0 = inp.initial_state.clone()
+    (ours,) = impls.resolve("gdnkit:reference", "cpu")
+    o, pool = ours.decode(inp)
+    assert pool.dtype == torch.bfloat16 and torch.equal(inp.initial_state, h0)   # the harness's state untouched
+    monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "float32")
+    dense = dataclasses.replace(inp, initial_state=h0.float())
+    o32, h32 = ours.decode(dense)
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert rel(o, o32) < 1e-2 and rel(pool, h32) < 1e-2
+    monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "bfloat16")
+    _, pool2 = ours.decode(inp)
+    assert pool2 is pool                                                          # one pool, updated in place
+    assert impls.FlaImpl().skip_reason(point) == impls.FlaImpl.NO_POOL and impls.FlaImpl().skip_reason(
+        Point("fwd", 1, 2, (8,), K=16, V=16)) is None
+    decode_only = Grid("small-decode", (SMALL.points[-1],), accuracy_seqlens=(1, 5), accuracy_decode_B=2)
+    out, _ = run_small([impls.GdnkitImpl("reference")], grid=decode_only)
+    assert {r["state_dtype"] for r in out.rows} == {"bfloat16"}
+    assert "Decode (one token, bf16 pool state)" in report.markdown(out.rows, report.empty_details())
+    monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "float16")
+    with pytest.raises(ValueError, match="GDNKIT_BENCH_STATE_DTYPE"):
+        inputs.decode_state_dtype()
