@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import shutil
 import sys
 import time
@@ -54,11 +55,17 @@ def _check(args) -> int:
 
 def _warm(args) -> int:
     builds = [str(d).removeprefix("torch.") for d in dispatch.get("tilelang_sm90").support.dtypes]
-    dtypes = args.dtypes.split(",")
+    if (args.heads is None) == (args.model is None):
+        raise SystemExit("warm: give --heads or --model (one of them)")
+    if args.model is not None:
+        heads, model_dtype = _model_heads(args.model)
+        dtypes = args.dtypes.split(",") if args.dtypes else [model_dtype]
+    else:
+        heads = [_head_pair(text) for text in args.heads.split(",")]
+        dtypes = (args.dtypes or "bfloat16").split(",")
     for dtype in dtypes:
         if dtype not in builds:
             raise SystemExit(f"--dtypes: tilelang_sm90 builds {', '.join(builds)}, got {dtype!r}")
-    heads = [_head_pair(text) for text in args.heads.split(",")]
     try:
         import tilelang  # noqa: F401 - what builds the kernels
     except Exception as exc:  # noqa: BLE001 - any import failure means: cannot build here
@@ -77,6 +84,31 @@ def _warm(args) -> int:
     failed = [job for job, _, error in results if error]
     print(f"{len(results) - len(failed)} built, {len(failed)} failed, {time.monotonic() - start:.0f} s")
     return 1 if failed else 0
+
+
+def _model_heads(path: str) -> tuple[list[tuple[int, int]], str]:
+    """([(H, HV)], dtype) of a transformers model's GDN layers, from its config.json (or the folder holding it):
+    Qwen3.5 / Qwen3-Next style keys, at the top level or under text_config (multimodal configs)."""
+    file = pathlib.Path(path)
+    file = file / "config.json" if file.is_dir() else file
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--model: cannot read a config.json at {str(file)!r} ({exc})") from None
+    for scope in (config, config.get("text_config") or {}):
+        if "linear_num_value_heads" in scope:
+            break
+    else:
+        raise SystemExit(f"--model: {str(file)!r} has no GDN layers (no linear_num_value_heads, also not under "
+                         "text_config)")
+    H, HV = scope.get("linear_num_key_heads"), scope["linear_num_value_heads"]
+    K, V = scope.get("linear_key_head_dim", 128), scope.get("linear_value_head_dim", 128)
+    if (K, V) != (128, 128):
+        raise SystemExit(f"--model: tilelang_sm90 builds K = V = 128, the model has K = {K}, V = {V}")
+    dtype = scope.get("dtype") or scope.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    if not isinstance(H, int) or not isinstance(HV, int) or H <= 0 or HV % H:
+        raise SystemExit(f"--model: HV must be a positive multiple of H, the model has H = {H}, HV = {HV}")
+    return [(H, HV)], dtype if dtype in ("bfloat16", "float16") else "bfloat16"
 
 
 def _head_pair(text: str) -> tuple[int, int]:
@@ -110,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--seed", type=int, default=0)
     warm = sub.add_parser("warm", help="build the tilelang_sm90 kernels of head configs before their first call "
                                        "(into TileLang's disk cache; needs nvcc, not a GPU)")
-    warm.add_argument("--heads", required=True, help="H x HV pairs, comma-separated, e.g. 4x8,16x32")
-    warm.add_argument("--dtypes", default="bfloat16", help="bfloat16, float16 or both, comma-separated")
+    warm.add_argument("--heads", help="H x HV pairs, comma-separated, e.g. 4x8,16x32")
+    warm.add_argument("--model", help="or a transformers model's config.json (or its folder): its GDN layers' heads "
+                                      "and dtype")
+    warm.add_argument("--dtypes", default=None, help="bfloat16, float16 or both, comma-separated (default: "
+                                                      "bfloat16, or the --model's dtype)")
     warm.add_argument("--inference", action="store_true", help="the forward's kernels only (no training)")
     from gdnkit.backends.tilelang_sm90.precompile import BACKWARDS
     warm.add_argument("--backward", choices=BACKWARDS, default="both",

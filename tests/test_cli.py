@@ -56,6 +56,35 @@ def test_warm_rejects_bad_heads_and_dtypes():
         assert exit_.value.code != 0 and message in str(exit_.value.code), args
 
 
+def test_warm_reads_a_models_heads_from_its_config(tmp_path):
+    """`warm --model`: the GDN heads and dtype of a transformers config.json (top level, or a multimodal config's
+    text_config), or an error naming what is missing or unsupported."""
+    import json
+
+    from gdnkit.__main__ import _model_heads
+    text = {"linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "dtype": "float16"}
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                             "torch_dtype": "bfloat16"}))
+    assert _model_heads(str(tmp_path / "vl")) == ([(16, 48)], "float16")
+    flat = dict(text, linear_num_key_heads=8, linear_num_value_heads=32)
+    del flat["dtype"]
+    (tmp_path / "flat.json").write_text(json.dumps(flat))
+    assert _model_heads(str(tmp_path / "flat.json")) == ([(8, 32)], "bfloat16")
+    for config, message in (({"hidden_size": 8}, "no GDN layers"), (dict(text, linear_key_head_dim=256), "K = V = 128"),
+                            (dict(text, linear_num_value_heads=20), "HV must be a positive multiple of H")):
+        (tmp_path / "bad.json").write_text(json.dumps(config))
+        with pytest.raises(SystemExit) as exit_:
+            _model_heads(str(tmp_path / "bad.json"))
+        assert message in str(exit_.value.code), config
+    with pytest.raises(SystemExit, match="cannot read"):
+        _model_heads(str(tmp_path / "missing"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["warm", "--heads", "4x8", "--model", str(tmp_path / "flat.json")])
+    assert "--heads or --model" in str(exit_.value.code)
+
+
 def test_warm_family_covers_training_and_inference():
     from gdnkit.backends.tilelang_sm90 import precompile
     inference = precompile.family(4, 16, "bfloat16", training=False)
