@@ -63,19 +63,42 @@ def test_a_first_call_builds_exactly_its_missing_kernels_once(cache, monkeypatch
         return out
 
     assert kernel_build.first_call(lambda: call(7), lambda: call(7), lambda: "H=1, HV=2") == [8, 6, 14]
-    # one build, of the two kernels no process had built (a defaulted argument spelt out), the slowest first
-    assert built == [[Job(module, "add_kernel", (7, 1)), Job(module, "add_kernel", (7, 7))]]
+    # a build of each kernel no process had built (a defaulted argument spelt out), and of no other
+    assert all(len(b) == 1 for b in built)
+    assert sorted(j for b in built for j in b) == [Job(module, "add_kernel", (7, 1)), Job(module, "add_kernel", (7, 7))]
     # the call then compiled (here: loaded) each kernel once, the dry run none
     assert sorted(compiled) == [("add_kernel", 7, 1), ("add_kernel", 7, 7), ("mul_kernel", 2, 3)]
     assert "gdnkit: building 2 TileLang kernels for H=1, HV=2: 2/2" in capsys.readouterr().err
     # a second call: nothing built, nothing compiled
     assert kernel_build.first_call(lambda: call(7), lambda: call(7), lambda: "H=1, HV=2") == [8, 6, 14]
-    assert len(built) == 1 and len(compiled) == 3
+    assert len(built) == 2 and len(compiled) == 3
     # a new process (the factories' caches empty) finds every marker: no build
     add_kernel.cache_clear()
     mul_kernel.cache_clear()
     assert kernel_build.first_call(lambda: call(7), lambda: call(7), lambda: "H=1, HV=2") == [8, 6, 14]
-    assert len(built) == 1 and len(compiled) == 6
+    assert len(built) == 2 and len(compiled) == 6
+
+
+def test_each_build_starts_while_the_dry_run_goes_on(cache, monkeypatch):
+    """A kernel the dry run asks for starts building at once, not after the dry run: here the dry run, after
+    asking for its first kernel, waits (up to 10 s) for that kernel's build to have begun."""
+    begun = threading.Event()
+    built = []
+
+    def build(jobs, workers, report=lambda *r: None, started=None):
+        begun.set()
+        return _fake_build(built)(jobs, workers, report, started)
+    monkeypatch.setattr(kernel_build, "build", build)
+    add_kernel, mul_kernel = _factories([])
+    seen_during_dry_run = []
+
+    def dry():
+        add_kernel(2)
+        seen_during_dry_run.append(begun.wait(10))
+        mul_kernel(2, 5)
+
+    kernel_build.first_call(lambda: [add_kernel(2), mul_kernel(2, 5)], dry, lambda: "x")
+    assert seen_during_dry_run == [True] and len(built) == 2
 
 
 def test_a_dry_run_compiles_and_launches_nothing(cache):
@@ -218,7 +241,7 @@ def test_kernels_load_in_a_thread_as_their_builds_end(cache, monkeypatch):
 
     before = dict(kernel_build.counts)
     assert kernel_build.first_call(call, call, lambda: "H=1, HV=2") == [3, 8, -4]
-    assert built == [[Job(module, "sub_kernel", (5, 2)), Job(module, "flaky_kernel", (4,))]]
+    assert sorted(j for b in built for j in b) == [Job(module, "flaky_kernel", (4,)), Job(module, "sub_kernel", (5, 2))]
     preload = "gdnkit-kernel-preload"
     assert threads.count(preload) == 3            # both sub_kernels and the flaky kernel's failed load
     assert [t for t in threads if t != preload] == [threading.main_thread().name]   # the flaky one, by the call

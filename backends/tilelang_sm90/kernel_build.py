@@ -10,13 +10,13 @@ new head configuration needs ~15 of them, which one process used to compile one 
   When one does, it runs the call again "dry": TileLang launches are no-ops and every factory only records what it
   was asked for (the Triton and PyTorch work around them still runs, on real inputs and scratch buffers whose
   values only ever feed values, never addresses). A training forward's dry run takes its backward too (with and
-  without a final-state gradient), so one build serves the whole step. It then builds exactly the recorded kernels
-  without a marker, in worker processes (all cores by default; GDNKIT_BUILD_WORKERS), the slowest first, one
-  progress line on stderr, and runs the call for real: its kernels load from the disk cache. The workers are
-  started when the first NotBuilt is raised, so their start (an interpreter importing torch and TileLang, seconds)
-  runs beside the dry run and the Triton compiles it triggers instead of after them. While they build, a thread of
-  the calling process (idle but for waiting) imports TileLang and loads each kernel as its build ends, and the
-  recorded kernels already on disk at once: a load elaborates the kernel's program and opens its library (~1 s),
+  without a final-state gradient), so one build serves the whole step. Each kernel the dry run asks for that has
+  no marker starts building at once, in a worker process (all cores by default; GDNKIT_BUILD_WORKERS), while the
+  dry run goes on to the Triton compiles after it; one progress line on stderr. Then the call runs for real: its
+  kernels load from the disk cache. Up to PRESTARTED workers are started when the first NotBuilt is raised, so
+  their start (an interpreter importing torch and TileLang, seconds) runs beside the dry run. After the dry run, a
+  thread of the calling process (idle but for waiting) imports TileLang and loads each kernel as its build ends, and
+  the recorded kernels already on disk at once: a load elaborates the kernel's program and opens its library (~1 s),
   so only the last kernel's load is left after the build.
 - Every compile holds a file lock on its kernel's marker: two threads or processes that want the same kernel
   build it once; the second finds the marker and loads.
@@ -78,6 +78,7 @@ _STRICT, _RECORD = "strict", "record"
 class _Mode(threading.local):
     mode: str | None = None        # None: compile what is asked; _STRICT: raise NotBuilt instead; _RECORD: record
     recorded: dict | None = None   # the jobs a dry run asked for, in order
+    on_record: Callable[[Job], None] | None = None   # told of each job a dry run asks for, the first time
 
 
 _mode = _Mode()
@@ -139,7 +140,10 @@ def kernel_factory(fn: Callable) -> Callable:
         bound.apply_defaults()
         job = Job(module, fn.__name__, tuple(bound.arguments.values()))
         if _mode.mode == _RECORD:
-            _mode.recorded[job] = None
+            if job not in _mode.recorded:
+                _mode.recorded[job] = None
+                if _mode.on_record is not None:
+                    _mode.on_record(job)
             return _no_launch
         if kernel is None:
             kernel = obtain(job)
@@ -245,24 +249,72 @@ def first_call(call: Callable, dry_run: Callable[[], None], what: Callable[[], s
     finally:
         _mode.mode = None
     started = _started_workers(min(WORKERS, PRESTARTED))   # they import while the dry run runs
-    preloader = None
-    try:
-        begun = time.monotonic()
-        jobs = recorded_jobs(dry_run)
-        counts["dry_run_seconds"] += time.monotonic() - begun
-        # started after the dry run, which would otherwise share the interpreter with its imports
-        preloader = _Preloader([j for j in jobs if j not in _loaded and is_built(j)])
-        begun = time.monotonic()
-        build_missing(jobs, what(), started, preloader.built)
-        counts["build_seconds"] += time.monotonic() - begun
-    finally:
-        for process in started:   # those no job needed
-            _stop(process)
-        if preloader is not None:
+    preloader = _Preloader()
+    builds = _Builds(what, started, preloader.built)
+    with _build_lock:
+        try:
+            begun = time.monotonic()
+            jobs = recorded_jobs(dry_run, builds.record)
+            counts["dry_run_seconds"] += time.monotonic() - begun
+            # started after the dry run, which would otherwise share the interpreter with its imports
+            preloader.start([j for j in jobs if j not in builds.submitted and j not in _loaded and is_built(j)])
+            begun = time.monotonic()
+            builds.finish()
+            counts["build_seconds"] += time.monotonic() - begun
+        finally:
+            builds.finish()
+            for process in started:   # those no job needed
+                _stop(process)
             begun = time.monotonic()
             preloader.finish()
             counts["load_wait_seconds"] += time.monotonic() - begun
     return call()
+
+
+class _Builds:
+    """The first call's builds: each kernel a dry run records (`record`) that no process has built goes at once
+    to a thread of its own, which builds it in a worker process (a pre-started one while any is left), at most
+    WORKERS at a time; built(job) as each ends well; `finish` waits for them all."""
+
+    def __init__(self, what: Callable[[], str], started: list, built: Callable[[Job], None]):
+        self._what, self._started, self._built = what, started, built
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max(1, WORKERS))
+        self._threads: list[threading.Thread] = []
+        self.submitted: set[Job] = set()
+        self._progress: _Progress | None = None
+
+    def record(self, job: Job) -> None:
+        if job in self.submitted or job in _loaded or is_built(job):
+            return
+        self.submitted.add(job)
+        if self._progress is None:
+            self._progress = _Progress(self._what())
+        self._progress.add()
+        thread = threading.Thread(target=self._build, args=(job,), name="gdnkit-kernel-build", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _build(self, job: Job) -> None:
+        with self._slots:
+            with self._lock:
+                given = [self._started.pop()] if self._started else []
+            for _, seconds, error in build([job], 1, self._report, given):
+                with self._lock:
+                    counts["built_by_workers"] += error is None
+                    counts["worker_seconds"] += seconds
+
+    def _report(self, job: Job, seconds: float, error: str | None) -> None:
+        with self._lock:
+            self._progress(job, seconds, error)
+        if error is None:
+            self._built(job)
+
+    def finish(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        if self._progress is not None:
+            self._progress.close()
 
 
 class _Preloader:
@@ -270,9 +322,16 @@ class _Preloader:
     until `finish`. A job it cannot load is left for the call itself, which loads or compiles it and reports any
     error where it happens."""
 
-    def __init__(self, jobs: list[Job]):
+    def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
-        for job in jobs:
+        self._thread: threading.Thread | None = None
+
+    def start(self, jobs: list[Job]) -> None:
+        """Starts loading: `jobs` first, then those handed to `built` (before or after this)."""
+        queued = []
+        while not self._jobs.empty():
+            queued.append(self._jobs.get())
+        for job in [*jobs, *queued]:
             self._jobs.put(job)
         self._thread = threading.Thread(target=self._run, name="gdnkit-kernel-preload", daemon=True)
         self._thread.start()
@@ -281,8 +340,10 @@ class _Preloader:
         self._jobs.put(job)
 
     def finish(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
 
     def _run(self) -> None:
         with contextlib.suppress(Exception):
@@ -299,64 +360,54 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def recorded_jobs(dry_run: Callable[[], None]) -> list[Job]:
-    """The kernels dry_run's factories ask for, none compiled and nothing launched by TileLang. A dry run that
-    fails part-way (its scratch values are not real) still yields what it asked for until then; the call itself
-    compiles anything it missed."""
-    _mode.mode, _mode.recorded = _RECORD, {}
+def recorded_jobs(dry_run: Callable[[], None], on_record: Callable[[Job], None] | None = None) -> list[Job]:
+    """The kernels dry_run's factories ask for, none compiled and nothing launched by TileLang; on_record(job) as
+    each is first asked for. A dry run that fails part-way (its scratch values are not real) still yields what it
+    asked for until then; the call itself compiles anything it missed."""
+    _mode.mode, _mode.recorded, _mode.on_record = _RECORD, {}, on_record
     try:
         dry_run()
     except Exception:  # noqa: BLE001 - the call proper reports any real error
         pass
     finally:
         jobs = list(_mode.recorded)
-        _mode.mode, _mode.recorded = None, None
+        _mode.mode, _mode.recorded, _mode.on_record = None, None, None
     return jobs
 
 
-def build_missing(jobs: list[Job], what: str, started: list | None = None,
-                  built: Callable[[Job], None] = lambda job: None) -> None:
-    """Builds the jobs no process has built, in workers (`started` first); built(job) as each one's build ends
-    well."""
-    with _build_lock:
-        missing = [j for j in jobs if j not in _loaded and not is_built(j)]
-        if missing:
-            progress = _Progress(what, len(missing))
-
-            def report(job: Job, seconds: float, error: str | None) -> None:
-                progress(job, seconds, error)
-                if error is None:
-                    built(job)
-
-            for job, seconds, error in build(missing, WORKERS, report, started):
-                counts["built_by_workers"] += error is None
-                counts["worker_seconds"] += seconds
-
-
 class _Progress:
-    """One line on stderr, rewritten in place on a terminal; elsewhere a line at most every 10 s, and the last."""
+    """One line on stderr, rewritten in place on a terminal; elsewhere a line at most every 10 s, and the last (at
+    `close`). The kernels to build are counted as the dry run finds them (`add`)."""
 
-    def __init__(self, what: str, total: int):
-        self.what, self.total, self.done, self.failed = what, total, 0, 0
+    def __init__(self, what: str):
+        self.what, self.total, self.done, self.failed = what, 0, 0, 0
         self.start = self.shown = time.monotonic()
         self.tty = sys.stderr.isatty()
-        self._show(force=True)
+
+    def add(self) -> None:
+        self.total += 1
+        self._show(force=self.total == 1)
 
     def __call__(self, job: Job, seconds: float, error: str | None) -> None:
         self.done += 1
         self.failed += error is not None
-        self._show(force=self.done == self.total)
+        self._show()
         if error:
             print(f"gdnkit: building {job} failed ({error[:300]}); the call compiles it itself", file=sys.stderr)
 
-    def _show(self, force: bool = False) -> None:
+    def close(self) -> None:
+        if self.total:
+            self._show(force=True, last=True)
+            self.total = 0   # closed: a second close prints nothing
+
+    def _show(self, force: bool = False, last: bool = False) -> None:
         now = time.monotonic()
         if not (self.tty or force or now - self.shown >= 10):
             return
         self.shown = now
         line = (f"gdnkit: building {self.total} TileLang kernels for {self.what}: {self.done}/{self.total} "
                 f"in {now - self.start:.0f} s")
-        end = "\n" if not self.tty or self.done == self.total else ""
+        end = "\n" if not self.tty or last else ""
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
 
