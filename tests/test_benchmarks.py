@@ -576,3 +576,18 @@ def test_bf16_state_decode_updates_each_implementations_own_pool(monkeypatch):
     monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "float16")
     with pytest.raises(ValueError, match="GDNKIT_BENCH_STATE_DTYPE"):
         inputs.decode_state_dtype()
+
+
+def test_short_sequences_table_names_the_faster_form(tmp_path):
+    """benchmarks/short_sequences.py: its table says which of the chunked and token-by-token forms was faster at
+    each length (the crossover dispatch.SHORT_SEQUENCE should sit at), and it needs a GPU to measure."""
+    from gdnkit.benchmarks import short_sequences
+    rows = [dict(heads="16/64", length=8, sequences=4096, chunked_ms=12.0, recurrent_ms=1.5, auto_ms=1.5,
+                 auto_form="recurrent"),
+            dict(heads="16/64", length=256, sequences=128, chunked_ms=1.2, recurrent_ms=9.0, auto_ms=1.2,
+                 auto_form="chunk", flashinfer_ms=None)]
+    md = short_sequences.markdown(rows, "NVIDIA H100")
+    assert "| 16/64 | 8 | 4096 | 12.0000 | 1.5000 | 1.5000 | — | recurrent | recurrent |" in md
+    assert "| 16/64 | 256 | 128 | 1.2000 | 9.0000 | 1.2000 | — | chunk | chunked |" in md
+    if not torch.cuda.is_available():
+        assert short_sequences.main([str(tmp_path)]) == 2
