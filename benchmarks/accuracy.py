@@ -41,10 +41,20 @@ def _f64(inp: ChunkInputs, requires_grad: bool) -> ChunkInputs:
 
 def reference_outputs(inp: ChunkInputs, kind: str) -> list[torch.Tensor]:
     """The float64 truth for one problem. kind: "fwd" -> [o]; "bwd" -> [dq, dk, dv, dg, dbeta];
-    "decode" -> [o, final_state]."""
+    "decode" -> [o, final_state]; "mtp" -> [o, every token's state [B, T, HV, K, V]]."""
     import gdnkit
 
     x = _f64(inp, requires_grad=kind == "bwd")
+    if kind == "mtp":   # token by token, keeping each state
+        outs, states, h = [], [], x.initial_state
+        with torch.no_grad():
+            for t in range(x.q.shape[1]):
+                o, h = gdnkit.fused_recurrent_gated_delta_rule(
+                    x.q[:, t:t + 1], x.k[:, t:t + 1], x.v[:, t:t + 1], x.g[:, t:t + 1], x.beta[:, t:t + 1],
+                    initial_state=h, output_final_state=True, backend="reference", **call_options())
+                outs.append(o)
+                states.append(h)
+        return [torch.cat(outs, dim=1), torch.stack(states, dim=1)]
     with torch.enable_grad() if kind == "bwd" else torch.no_grad():
         o, ht = gdnkit.fused_recurrent_gated_delta_rule(
             x.q, x.k, x.v, x.g, x.beta, initial_state=x.initial_state,

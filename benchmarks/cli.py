@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", choices=grids.GRIDS, default=None,
                    help="quick (one GPU run per pass group), full (FlashQLA's published grid), tiny (CPU). "
                         "Default: quick on a GPU, tiny on a CPU")
-    p.add_argument("--passes", default="fwd,bwd,decode", help="comma list of fwd, bwd, decode")
+    p.add_argument("--passes", default="fwd,bwd,decode",
+                   help="comma list of fwd, bwd, decode, mtp (a verify of draft tokens with every token's state kept; "
+                        "not in the default)")
     p.add_argument("--heads", default=None, help="only these head configs, as HxHV comma list, e.g. 4x8,16x32")
     p.add_argument("--mixes", default=None,
                    help="only these sequence mixes, comma list of their labels, e.g. 1x32768,28672+4096")

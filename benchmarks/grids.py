@@ -9,7 +9,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
-PASSES = ("fwd", "bwd", "decode")
+PASSES = ("fwd", "bwd", "decode", "mtp")
+# passes over a batch of B sequences with a state each (B set on their points): decode (one new token a sequence)
+# and mtp (a speculative verify of T draft tokens a sequence, every token's state kept)
+STATE_PASSES = ("decode", "mtp")
+MTP_TOKENS = 4   # draft tokens a sequence in the mtp points (the T of MTP T=4)
 
 
 def seqlens_label(seqlens: tuple[int, ...]) -> str:
@@ -25,9 +29,10 @@ def seqlens_label(seqlens: tuple[int, ...]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One problem. For decode, `seqlens` is B ones (one new token per sequence) and B is set."""
+    """One problem. For decode, `seqlens` is B ones (one new token per sequence) and B is set; for mtp, B times
+    the draft tokens a sequence."""
 
-    pass_: str  # "fwd" | "bwd" | "decode"
+    pass_: str  # "fwd" | "bwd" | "decode" | "mtp"
     H: int  # q/k heads
     HV: int  # value heads
     seqlens: tuple[int, ...]
@@ -51,6 +56,8 @@ class Point:
     def describe(self) -> str:
         if self.pass_ == "decode":
             return f"decode B={self.B} H={self.H} HV={self.HV}"
+        if self.pass_ == "mtp":
+            return f"mtp B={self.B} T={self.seqlens[0]} H={self.H} HV={self.HV}"
         return f"{self.pass_} H={self.H} HV={self.HV} {self.label}"
 
 
@@ -91,6 +98,10 @@ def _decode_points(configs, K=128, V=128) -> list[Point]:
     return [Point("decode", H, HV, (1,) * B, B=B, K=K, V=V) for B, H, HV in configs]
 
 
+def _mtp_points(configs, T=MTP_TOKENS, K=128, V=128) -> list[Point]:
+    return [Point("mtp", H, HV, (T,) * B, B=B, K=K, V=V) for B, H, HV in configs]
+
+
 def random_split(total: int, n: int, seed: int = 42) -> list[int]:
     """`n` positive lengths summing to `total`, cut at random points (reproducible by seed)."""
     if n <= 1:
@@ -111,6 +122,7 @@ QUICK_BWD_VARLEN_MIXES = ([8192, 8192, 4096], [4096] * 4)
 QUICK_BWD = (((4, 8), QUICK_BWD_MIXES), ((8, 32), QUICK_BWD_VARLEN_MIXES),
              ((16, 32), QUICK_BWD_MIXES + QUICK_BWD_VARLEN_MIXES))
 QUICK_DECODE = ((1, 16, 64), (64, 16, 64), (256, 2, 8), (256, 16, 32))  # (B, H, HV)
+QUICK_MTP = ((64, 16, 64), (256, 16, 32), (256, 2, 8))  # (B, H, HV), MTP_TOKENS draft tokens each
 
 # full: FlashQLA's published H200 grid (value/key heads as (H, HV) here) plus a wider decode sweep.
 FULL_FWD_HEADS = ((2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16), (32, 32))
@@ -133,7 +145,7 @@ def _grid(name: str) -> Grid:
     if name == "quick":
         pts = (_chunk_points("fwd", QUICK_FWD_HEADS, QUICK_FWD_MIXES)
                + [p for heads, mixes in QUICK_BWD for p in _chunk_points("bwd", (heads,), mixes)]
-               + _decode_points(QUICK_DECODE))
+               + _decode_points(QUICK_DECODE) + _mtp_points(QUICK_MTP))
         return Grid("quick", tuple(pts), accuracy_seqlens=(1, 64, 135, 133), accuracy_decode_B=3)
     if name == "full":
         pts = (_chunk_points("fwd", FULL_FWD_HEADS, FULL_FWD_MIXES)

@@ -3,8 +3,8 @@
   gdnkit:<backend>  gdnkit's public call with backend=<backend> forced
   fla               FLA 0.6.0's Triton path (fla.ops.gated_delta_rule), FLA_FLASH_QLA=0
   flashqla          FlashQLA 0.1.3 (flash_qla), prefill only
-  flashinfer        FlashInfer 0.7.2 (flashinfer.gdn_prefill / gdn_decode, CuTe-DSL kernels on sm90): prefill
-                    and the fp32-state decode, no backward
+  flashinfer        FlashInfer 0.7.2 (flashinfer.gdn_prefill / gdn_decode, CuTe-DSL kernels on sm90): prefill,
+                    decode and verify, no backward
 
 The anchors (fla, flash_qla, flashinfer) are imported here, lazily, and nowhere in gdnkit's own code. Nothing
 of theirs is copied: the adapters only call their public functions, with FLA's tensor layouts where they take
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .grids import Point
+from .grids import STATE_PASSES, Point
 from .inputs import ChunkInputs, call_options, decode_state_dtype, qk_l2norm_on
 
 # The anchors, in the order results list them (report.py's tables compare every other implementation with FLA,
@@ -65,6 +65,11 @@ class Impl:
 
     def decode(self, inp: ChunkInputs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def mtp(self, inp: ChunkInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify of inp's T draft tokens a sequence from its state: (o [B, T, HV, V], every token's state
+        [B, T, HV, K, V])."""
+        raise Unsupported(f"{self.name} has no verify (draft tokens with their states kept) entry point")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
@@ -109,6 +114,26 @@ class GdnkitImpl(Impl):
         return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
                           initial_state=pool, ssm_state_indices=slots, **call_options())
 
+    @staticmethod
+    def verify_pool(inp: ChunkInputs):
+        """(pool of B*T slots, [B, T] slots, accepted = 1): sequence n reads slot n*T (its state) and writes token
+        t's state to slot n*T + t, so a call moves what a verify moves; token 0's state replaces the state read
+        (the serving call's in-place pool), which later calls then start from."""
+        B, T = inp.q.shape[:2]
+        h0 = inp.initial_state
+        pool = torch.empty(B * T, *h0.shape[1:], device=h0.device, dtype=h0.dtype)
+        pool[::T] = h0
+        slots = torch.arange(B * T, device=h0.device, dtype=torch.int32).view(B, T)
+        return pool, slots, torch.ones(B, device=h0.device, dtype=torch.int32)
+
+    def mtp(self, inp):
+        import gdnkit
+        pool, slots, accepted = self._once(inp, self.verify_pool)
+        o, _ = self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                          initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=accepted,
+                          **call_options())
+        return o, pool.view(*slots.shape, *pool.shape[1:])
+
 
 class AnchorImpl(Impl):
     """An anchor library called through its FLA-compatible chunk_gated_delta_rule."""
@@ -150,7 +175,11 @@ class FlaImpl(AnchorImpl):
 
     NO_POOL = "FLA 0.6's decode takes no state pool (it writes a new fp32 final state), so no 16-bit state in place"
 
+    NO_VERIFY = "FLA 0.6's fused recurrent keeps no per-token states (a verify's accept step needs them)"
+
     def skip_reason(self, point):
+        if point.pass_ == "mtp":
+            return self.NO_VERIFY
         if point.pass_ == "decode" and decode_state_dtype() != torch.float32:
             return self.NO_POOL
         return None
@@ -170,7 +199,7 @@ class FlashQLAImpl(AnchorImpl):
     NO_DECODE = "flash_qla 0.1.3 has no decode (fused recurrent) entry point"
 
     def skip_reason(self, point):
-        return self.NO_DECODE if point.pass_ == "decode" else None
+        return self.NO_DECODE if point.pass_ in STATE_PASSES else None
 
     def decode(self, inp):
         raise Unsupported(self.NO_DECODE)
@@ -186,7 +215,9 @@ class FlashInferImpl(AnchorImpl):
         are the others' within bf16 rounding). Its decode updates a pool (of the states' dtype: fp32 takes its
         legacy kernel, bf16 its fast path) in place: the adapter's pool holds the input states in slots [0, B) and
         the call writes slots [B, 2B), so every call reads the same states and moves the same bytes as the
-        others; the output buffer is allocated once, as an engine's is."""
+        others; the output buffer is allocated once, as an engine's is;
+      - verify (mtp): the same call with T draft tokens, every token's state into the caller's buffer and the pool
+        left as it was (disable_state_update)."""
 
     name = "flashinfer"
     module_name = "flashinfer.gdn_prefill"
@@ -220,19 +251,37 @@ class FlashInferImpl(AnchorImpl):
                     cu_seqlens=inp.cu_seqlens)
 
     @staticmethod
-    def decode_inputs(inp: ChunkInputs) -> dict:
+    def _gate_inputs(inp: ChunkInputs) -> dict:
+        """Its decode kernels' raw gate inputs for inp's g and beta (the class doc)."""
+        HV = inp.v.shape[2]
+        zeros = torch.zeros(HV, device=inp.v.device, dtype=torch.float32)
+        return dict(A_log=zeros, dt_bias=zeros, a=torch.log(torch.expm1(-inp.g.float())).to(torch.bfloat16),
+                    b=torch.logit(inp.beta.float()).to(torch.bfloat16))
+
+    @classmethod
+    def decode_inputs(cls, inp: ChunkInputs) -> dict:
         B, _, HV, V = inp.v.shape
         K = inp.k.shape[-1]
-        g, beta = inp.g.float(), inp.beta.float()
         pool = torch.empty(2 * B, HV, V, K, device=inp.v.device, dtype=inp.initial_state.dtype)
         pool[:B] = inp.initial_state.transpose(-1, -2)
         slots = torch.arange(2 * B, device=inp.v.device, dtype=torch.int32)
-        zeros = torch.zeros(HV, device=inp.v.device, dtype=torch.float32)
-        return dict(q=inp.q, k=inp.k, v=inp.v, state=None, A_log=zeros, dt_bias=zeros,
-                    a=torch.log(torch.expm1(-g)).to(torch.bfloat16),
-                    b=torch.logit(beta).to(torch.bfloat16),
+        return dict(q=inp.q, k=inp.k, v=inp.v, state=None, **cls._gate_inputs(inp),
                     initial_state=pool, initial_state_indices=slots[:B], output_state_indices=slots[B:],
                     output=torch.empty(B, 1, HV, V, device=inp.v.device, dtype=torch.bfloat16))
+
+    @classmethod
+    def verify_inputs(cls, inp: ChunkInputs) -> dict:
+        """Its verify: the pool holds the B states, every token's state goes to the caller's buffer
+        (intermediate_states_buffer [B, T, HV, V, K]) and the pool is left as it was (disable_state_update)."""
+        B, T, HV, V = inp.v.shape
+        K = inp.k.shape[-1]
+        h0 = inp.initial_state
+        return dict(q=inp.q, k=inp.k, v=inp.v, state=None, **cls._gate_inputs(inp),
+                    initial_state=h0.transpose(-1, -2).contiguous(),
+                    initial_state_indices=torch.arange(B, device=h0.device, dtype=torch.int32),
+                    intermediate_states_buffer=torch.empty(B, T, HV, V, K, device=h0.device, dtype=h0.dtype),
+                    disable_state_update=True,
+                    output=torch.empty(B, T, HV, V, device=inp.v.device, dtype=torch.bfloat16))
 
     def chunk(self, inp, output_final_state=False):
         m = self._module()
@@ -250,6 +299,12 @@ class FlashInferImpl(AnchorImpl):
                                                          backend="flashinfer")
         B = o.shape[0]
         return o, pool[B:].transpose(-1, -2)
+
+    def mtp(self, inp):
+        m = importlib.import_module("flashinfer.gdn_decode")
+        args = self._once(inp, self.verify_inputs)
+        o, _ = m.gated_delta_rule_decode_pretranspose(**args, use_qk_l2norm=qk_l2norm_on(), backend="flashinfer")
+        return o, args["intermediate_states_buffer"].transpose(-1, -2)
 
 
 def gdnkit_backends() -> list[str]:

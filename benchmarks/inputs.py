@@ -24,7 +24,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from .grids import Point
+from .grids import STATE_PASSES, Point
 
 DTYPE = torch.bfloat16
 GATE_DTYPE = torch.float32
@@ -62,8 +62,8 @@ def decode_state_dtype() -> torch.dtype:
 
 
 def state_dtype_name(point: Point) -> str:
-    """What a row of `point` records as its state dtype: the decode states', fp32 elsewhere."""
-    dtype = decode_state_dtype() if point.pass_ == "decode" else STATE_DTYPE
+    """What a row of `point` records as its state dtype: the decode and mtp states', fp32 elsewhere."""
+    dtype = decode_state_dtype() if point.pass_ in STATE_PASSES else STATE_DTYPE
     return next(name for name, d in DECODE_STATE_DTYPES.items() if d == dtype)
 
 
@@ -153,19 +153,20 @@ def make_chunk_inputs(H: int, HV: int, seqlens, K: int, V: int, device, seed: in
     return ChunkInputs(q, k, v, g, beta, cu_seqlens, h0, do)
 
 
-def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: int) -> ChunkInputs:
-    """B sequences, one token each, dense batch (no cu_seqlens), a random state in decode_state_dtype()."""
+def make_decode_inputs(B: int, H: int, HV: int, K: int, V: int, device, seed: int, T: int = 1) -> ChunkInputs:
+    """B sequences of T new tokens each (decode: 1; mtp: the draft tokens), dense batch (no cu_seqlens), a random
+    state in decode_state_dtype()."""
     device = torch.device(device)
     gen = _generator(device, seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
 
-    q = _qk(randn, (B, 1, H, K))
-    k = _qk(randn, (B, 1, H, K))
-    v = randn(B, 1, HV, V).to(DTYPE)
-    g = _gates((B, 1, HV), gen, device).to(GATE_DTYPE)
-    beta = torch.sigmoid(torch.rand(B, 1, HV, generator=gen, device=device)).to(GATE_DTYPE)
+    q = _qk(randn, (B, T, H, K))
+    k = _qk(randn, (B, T, H, K))
+    v = randn(B, T, HV, V).to(DTYPE)
+    g = _gates((B, T, HV), gen, device).to(GATE_DTYPE)
+    beta = torch.sigmoid(torch.rand(B, T, HV, generator=gen, device=device)).to(GATE_DTYPE)
     h0 = randn(B, HV, K, V).to(decode_state_dtype())
     return ChunkInputs(q, k, v, g, beta, None, h0, None)
 
@@ -174,15 +175,21 @@ def make_point_inputs(point: Point, device, set_index: int = 0,
                       cu_seqlens: torch.Tensor | None = None) -> ChunkInputs:
     """The inputs of a grid point; `set_index` draws another independent set of the same shape."""
     seed = seed_for(point, f"set{set_index}")
-    if point.pass_ == "decode":
-        return make_decode_inputs(point.B, point.H, point.HV, point.K, point.V, device, seed)
+    if point.pass_ in STATE_PASSES:
+        return make_decode_inputs(point.B, point.H, point.HV, point.K, point.V, device, seed, T=point.seqlens[0])
     return make_chunk_inputs(point.H, point.HV, point.seqlens, point.K, point.V, device, seed,
                              with_do=point.pass_ == "bwd", cu_seqlens=cu_seqlens)
 
 
 def state_bytes(point: Point) -> int:
-    """Bytes of the state a decode step reads (and writes back), in decode_state_dtype()."""
+    """Bytes of the B states a decode or mtp call starts from, in decode_state_dtype()."""
     return (point.B or 1) * point.HV * point.K * point.V * torch.finfo(decode_state_dtype()).bits // 8
+
+
+def state_traffic_bytes(point: Point) -> int:
+    """State bytes a call moves: decode reads each state and writes it back; mtp reads it and writes every draft
+    token's state (what a verify keeps for the accept step)."""
+    return state_bytes(point) * (1 + (point.seqlens[0] if point.pass_ == "mtp" else 1))
 
 
 def requires_grad_(inp: ChunkInputs) -> ChunkInputs:

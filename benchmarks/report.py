@@ -20,6 +20,7 @@ import math
 import os
 from pathlib import Path
 
+from .grids import PASSES, STATE_PASSES
 from .impls import ANCHOR_TITLES, ANCHORS
 from .runner import key_str, row_key, sort_rows
 
@@ -43,7 +44,8 @@ class ResultFiles:
 
 
 ANCHOR_FLA = ANCHORS[0]
-PASS_TITLES = {"fwd": "Forward (no grad)", "bwd": "Backward ((fwd+bwd) - fwd)", "decode": "Decode (one token, {state} state)"}
+PASS_TITLES = {"fwd": "Forward (no grad)", "bwd": "Backward ((fwd+bwd) - fwd)", "decode": "Decode (one token, {state} state)",
+               "mtp": "Verify (draft tokens a sequence, every token's state kept, {state} state)"}
 
 
 def pass_title(rows: list[dict], pass_: str) -> str:
@@ -127,7 +129,7 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
     for anchor in ANCHORS[1:]:
         if anchor in impls:
             ratio_cols += [(i, anchor) for i in ours]
-    head = ["H", "HV", "B" if pass_ == "decode" else "seqlens"] + [f"{i} ms" for i in impls]
+    head = ["H", "HV", "B" if pass_ == "decode" else "T x B" if pass_ == "mtp" else "seqlens"] + [f"{i} ms" for i in impls]
     head += [f"{i} vs {ANCHOR_TITLES[base]}" for i, base in ratio_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ratios: dict[tuple, list[float]] = {c: [] for c in ratio_cols}
@@ -143,7 +145,7 @@ def pass_table(rows: list[dict], pass_: str, details: dict | None = None) -> lis
                 line.append("—")
                 continue
             txt = _fmt_ms(r["kernel_ms"])
-            if pass_ == "decode":
+            if pass_ in STATE_PASSES:
                 gbps = (details.get(key_str(row_key(r))) or {}).get("state_GBps")
                 if gbps:
                     txt += f" ({gbps:.4g} GB/s)"
@@ -182,7 +184,7 @@ def first_call_table(details: dict) -> list[str]:
            "already held them). Taken from the parallel warm-up, so concurrent compiles share the CPU.", "",
            "| impl | pass | H | HV | seconds | date |", "|---|---|---|---|---|---|"]
     impls = _impl_order(key.split("|")[0] for key in latest)
-    passes = ("fwd", "bwd", "decode")
+    passes = PASSES
 
     def order(key):
         impl, p, H, HV = key.split("|")
@@ -223,7 +225,7 @@ def markdown(rows: list[dict], details: dict) -> str:
         out += ["CPU rows come from the `tiny` grid (K = V = 16, host wall time): a smoke test of the "
                 "harness, not a result.", ""]
     drow = details.get("rows", {})
-    for p in ("fwd", "bwd", "decode"):
+    for p in PASSES:
         t = pass_table(rows, p, drow)
         if t:
             out += [f"## {pass_title(rows, p)}", ""] + t + [""]
@@ -239,7 +241,7 @@ def markdown(rows: list[dict], details: dict) -> str:
                 "Relative L2 error on a small varlen problem per head config (fwd: o; bwd: the largest "
                 "over dq, dk, dv, dg, dbeta; decode: o and the final state).", "",
                 "| pass | H | HV | " + " | ".join(impls) + " |", "|" + "---|" * (3 + len(impls))]
-        for (p, H, HV), v in sorted(acc.items(), key=lambda kv: (("fwd", "bwd", "decode").index(kv[0][0]),) + kv[0][1:]):
+        for (p, H, HV), v in sorted(acc.items(), key=lambda kv: (PASSES.index(kv[0][0]),) + kv[0][1:]):
             out.append(f"| {p} | {H} | {HV} | " + " | ".join(
                 "—" if i not in v else f"{v[i]:.2e}" for i in impls) + " |")
         out.append("")
@@ -291,7 +293,7 @@ def chart(rows: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    passes = [p for p in ("fwd", "bwd", "decode") if any(r["pass"] == p for r in rows)]
+    passes = [p for p in PASSES if any(r["pass"] == p for r in rows)]
     if not passes:
         return False
     have_fla = any(r["impl"] == ANCHOR_FLA for r in rows)
@@ -355,7 +357,7 @@ def short_table(rows: list[dict], details: dict, points: set | None = None) -> s
     if points is not None:
         rows = [r for r in rows if _point_key(r) in points]
     out = []
-    for p in ("fwd", "bwd", "decode"):
+    for p in PASSES:
         t = pass_table(rows, p, details.get("rows", {}))
         if t:
             out += [f"{pass_title(rows, p)}:"] + t + [""]

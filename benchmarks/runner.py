@@ -19,10 +19,10 @@ from typing import Any, Callable
 import torch
 
 from . import accuracy, timing
-from .grids import Grid, Point
+from .grids import PASSES, STATE_PASSES, Grid, Point
 from .impls import ANCHORS, Impl, Unsupported, environment_versions, gpu_name
 from .inputs import ChunkInputs, gates_kind, make_chunk_inputs, make_decode_inputs, make_point_inputs, \
-    qk_l2norm_on, requires_grad_, seed_for, state_bytes, state_dtype_name
+    qk_l2norm_on, requires_grad_, seed_for, state_dtype_name, state_traffic_bytes
 
 ROW_FIELDS = ("pass", "H", "HV", "seqlens", "B", "impl", "kernel_ms", "eager_ms", "peak_mem_bytes",
               "rel_err_vs_ref", "anchor_same_run", "gpu", "date", "versions", "gates", "qk_l2norm", "state_dtype")
@@ -54,7 +54,7 @@ def merge_rows(old: list[dict], new: list[dict], drop: set[tuple] = frozenset())
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
-    order = {"fwd": 0, "bwd": 1, "decode": 2}
+    order = {p: i for i, p in enumerate(PASSES)}
     return sorted(rows, key=lambda r: (order.get(r["pass"], 9), r["H"], r["HV"], r["B"] or 0,
                                        _tokens(r["seqlens"]), r["seqlens"], r["impl"]))
 
@@ -112,11 +112,11 @@ class RunConfig:
 def _n_input_sets(point: Point, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    T = point.tokens if point.pass_ != "decode" else point.B
+    T = point.tokens
     elem = 2  # bf16
     per_set = T * (2 * point.H * point.K + 2 * point.HV * point.V) * elem + T * point.HV * 8
-    if point.pass_ == "decode":
-        per_set += 2 * state_bytes(point)
+    if point.pass_ in STATE_PASSES:
+        per_set += state_traffic_bytes(point)
     if point.pass_ == "bwd":
         per_set *= 3  # dO and the gradients travel too
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES
@@ -126,7 +126,8 @@ def _n_input_sets(point: Point, device: torch.device) -> int:
 def timed_closures(impl: Impl, point: Point, sets: list[ChunkInputs]) -> dict[str, list]:
     """What is timed, per input set. fwd: forward without autograd. bwd: forward with autograd
     ("fwd_train", the forward that precedes a backward) and forward+backward ("fwdbwd"); the
-    backward's time is their difference. decode: one recurrent step with a state."""
+    backward's time is their difference. decode: one recurrent step with a state. mtp: a verify of T draft tokens
+    a sequence, every token's state kept."""
     def forward(inp, grad: bool):
         def fn():
             with torch.set_grad_enabled(grad):
@@ -144,12 +145,14 @@ def timed_closures(impl: Impl, point: Point, sets: list[ChunkInputs]) -> dict[st
             return fn
         return {"main": [fwdbwd(s) for s in sets], "fwd_train": [forward(s, True) for s in sets]}
 
-    def dec(inp):
+    step = impl.decode if point.pass_ == "decode" else impl.mtp
+
+    def stepped(inp):
         def fn():
             with torch.no_grad():
-                return impl.decode(inp)
+                return step(inp)
         return fn
-    return {"main": [dec(s) for s in sets]}
+    return {"main": [stepped(s) for s in sets]}
 
 
 def _as_list(out: Any) -> list[torch.Tensor]:
@@ -232,8 +235,9 @@ class Runner:
         grid = self.cfg.grid
         seed = seed_for(Point(point.pass_, point.H, point.HV, grid.accuracy_seqlens, K=point.K, V=point.V),
                         "accuracy")
-        if point.pass_ == "decode":
-            inp = make_decode_inputs(grid.accuracy_decode_B, point.H, point.HV, point.K, point.V, self.device, seed)
+        if point.pass_ in STATE_PASSES:
+            inp = make_decode_inputs(grid.accuracy_decode_B, point.H, point.HV, point.K, point.V, self.device, seed,
+                                     T=point.seqlens[0])
         else:
             inp = make_chunk_inputs(point.H, point.HV, grid.accuracy_seqlens, point.K, point.V, self.device,
                                     seed, with_do=point.pass_ == "bwd")
@@ -301,8 +305,8 @@ class Runner:
                                   **bwd_extras}
         if cfg.stages:
             extras["stages_ms"] = timing.stage_times(fns["main"], dev, reps=cfg.reps)
-        if point.pass_ == "decode":
-            extras["state_GBps"] = round(2 * state_bytes(point) / (kernel_ms * 1e-3) / 1e9, 2)
+        if point.pass_ in STATE_PASSES:
+            extras["state_GBps"] = round(state_traffic_bytes(point) / (kernel_ms * 1e-3) / 1e9, 2)
         acc = self._accuracy(impl, point)
         row = self._row(point, impl.name, kernel_ms, eager_ms, peak, acc, anchor_same_run=True)
         return row, extras, out

@@ -16,7 +16,7 @@ import multiprocessing
 import time
 from typing import Callable
 
-from .grids import Grid, Point
+from .grids import STATE_PASSES, Grid, Point
 
 
 def jobs_of(grid: Grid, impl_names: list[str], cached: Callable[[str, Point], bool] | None = None
@@ -27,12 +27,12 @@ def jobs_of(grid: Grid, impl_names: list[str], cached: Callable[[str, Point], bo
     config, which may take other kernels (gdnkit's staged backward: compiled in the timing
     process, they took a 110 s budget's last three points)."""
     jobs = []
-    for pass_ in ("bwd", "fwd", "decode"):
+    for pass_ in ("bwd", "fwd", *STATE_PASSES):
         for H, HV in grid.head_configs(pass_):
             points = tuple(p for p in grid.points if p.pass_ == pass_ and (p.H, p.HV) == (H, HV))
             for name in impl_names:
                 todo = tuple(p for p in points if cached is None or not cached(name, p))
-                if todo and pass_ != "decode":   # decode's check is a batch of one-token sequences, as its points
+                if todo and pass_ not in STATE_PASSES:   # their check is a batch as their points are
                     todo += (dataclasses.replace(todo[0], seqlens=grid.accuracy_seqlens),)
                 if todo:
                     jobs.append((name, pass_, H, HV, todo))

@@ -82,6 +82,9 @@ def test_quick_grid_is_the_issue_grid():
                                                    | {(16, 32, s) for s in single + several})
     dec = [p for p in g.points if p.pass_ == "decode"]
     assert {(p.B, p.H, p.HV) for p in dec} == {(1, 16, 64), (64, 16, 64), (256, 2, 8), (256, 16, 32)}
+    mtp = [p for p in g.points if p.pass_ == "mtp"]   # MTP T=4: a verify of four draft tokens a sequence
+    assert {(p.B, p.H, p.HV, p.seqlens[0]) for p in mtp} == {(64, 16, 64, 4), (256, 16, 32, 4), (256, 2, 8, 4)}
+    assert all(p.seqlens == (4,) * p.B and p.label == f"4x{p.B}" for p in mtp)
     assert all(p.K == p.V == 128 for p in g.points)
     order = [(p.pass_, p.H, p.HV) for p in g.points]
     assert all(order.index(x) == i or order[i - 1] == x for i, x in enumerate(order))
@@ -498,17 +501,26 @@ class _FlashInferStandIn:
 
     def gated_delta_rule_decode_pretranspose(self, q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None,
                                              use_qk_l2norm=True, initial_state=None, initial_state_indices=None,
-                                             output_state_indices=None, backend="auto"):
+                                             output_state_indices=None, intermediate_states_buffer=None,
+                                             disable_state_update=False, backend="auto"):
         assert state is None and a.dtype == b.dtype == torch.bfloat16 and backend == "flashinfer"
+        T = q.shape[1]
+        assert (T > 1) == (intermediate_states_buffer is not None) == disable_state_update
         g = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
         beta = torch.sigmoid(b.double())
         K = k.shape[-1]
         for i in range(q.shape[0]):
             M = initial_state[initial_state_indices[i]].double().clone()
-            o, M = self._walk(q[i].double(), k[i].double(), v[i].double(), g[i].exp(), beta[i], M,
-                              K ** -0.5 if scale is None else scale)
-            initial_state[output_state_indices[i]] = M.float()
-            output[i] = o.to(output.dtype)
+            for t in range(T):
+                s = slice(t, t + 1)
+                o, M = self._walk(q[i, s].double(), k[i, s].double(), v[i, s].double(), g[i, s].exp(), beta[i, s],
+                                  M, K ** -0.5 if scale is None else scale)
+                output[i, t] = o[0].to(output.dtype)
+                if intermediate_states_buffer is not None:
+                    intermediate_states_buffer[i, t] = M.to(intermediate_states_buffer.dtype)
+            if not disable_state_update:
+                slot = initial_state_indices[i] if output_state_indices is None else output_state_indices[i]
+                initial_state[slot] = M.to(initial_state.dtype)
         return output, initial_state
 
 
@@ -543,6 +555,13 @@ def test_flashinfer_adapter_converts_to_its_conventions_and_back(monkeypatch):
     assert torch.equal(o, o2) and torch.equal(state, state2) and torch.equal(dec.initial_state, h0)
     point = grids.Point("bwd", 1, 2, (64,), K=128, V=128)
     assert fi.skip_reason(point) == impls.FlashInferImpl.NO_BACKWARD
+
+    verify = inputs.make_decode_inputs(2, 1, 2, 128, 128, "cpu", seed=7, T=3)
+    o, states = fi.mtp(verify)
+    o_ref, states_ref = runner.accuracy.reference_outputs(verify, "mtp")
+    assert o.shape == (2, 3, 2, 128) and states.shape == (2, 3, 2, 128, 128)
+    assert rel(o, o_ref) < 1e-2 and rel(states, states_ref) < 1e-2
+    assert torch.equal(fi.mtp(verify)[0], o)                  # the pool is left as it was: calls repeat exactly
 
 
 def test_bf16_state_decode_updates_each_implementations_own_pool(monkeypatch):
@@ -591,3 +610,23 @@ def test_short_sequences_table_names_the_faster_form(tmp_path):
     assert "| 16/64 | 256 | 128 | 1.2000 | 9.0000 | 1.2000 | — | chunk | chunked |" in md
     if not torch.cuda.is_available():
         assert short_sequences.main([str(tmp_path)]) == 2
+
+
+def test_mtp_pass_times_a_verify_and_checks_every_tokens_state(monkeypatch):
+    """The mtp pass: T draft tokens a sequence from its state, every token's state kept (gdnkit's serving verify
+    on a pool of its own), checked against a float64 run token by token; anchors without a verify are skipped."""
+    monkeypatch.delenv(inputs.STATE_DTYPE_ENV, raising=False)
+    point = Point("mtp", 1, 2, (3,) * 2, B=2, K=16, V=16)
+    inp = inputs.make_point_inputs(point, "cpu")
+    assert inp.q.shape == (2, 3, 1, 16) and inputs.state_traffic_bytes(point) == 4 * inputs.state_bytes(point)
+    (ours,) = impls.resolve("gdnkit:reference", "cpu")
+    o, states = ours.mtp(inp)
+    o_ref, states_ref = runner.accuracy.reference_outputs(inp, "mtp")
+    assert runner.accuracy.rel_l2(o, o_ref) < 1e-2 and runner.accuracy.rel_l2(states, states_ref) < 1e-5  # o: bf16
+    assert impls.FlaImpl().skip_reason(point) == impls.FlaImpl.NO_VERIFY
+    assert impls.FlashQLAImpl().skip_reason(point) == impls.FlashQLAImpl.NO_DECODE
+    grid = Grid("small-mtp", (point,), accuracy_seqlens=(1, 5), accuracy_decode_B=2)
+    out, logs = run_small([impls.GdnkitImpl("reference"), FakeImpl()], grid=grid)
+    rows = {r["impl"]: r for r in out.rows}
+    assert set(rows) == {"gdnkit:reference"} and rows["gdnkit:reference"]["rel_err_vs_ref"] < 1e-2, logs
+    assert "Verify (draft tokens a sequence" in report.markdown(out.rows, report.empty_details())
