@@ -630,3 +630,16 @@ def test_mtp_pass_times_a_verify_and_checks_every_tokens_state(monkeypatch):
     rows = {r["impl"]: r for r in out.rows}
     assert set(rows) == {"gdnkit:reference"} and rows["gdnkit:reference"]["rel_err_vs_ref"] < 1e-2, logs
     assert "Verify (draft tokens a sequence" in report.markdown(out.rows, report.empty_details())
+
+
+def test_pool_prefill_study_runs_its_three_ways(tmp_path):
+    """benchmarks/pool_prefill.py on the CPU (reference backend, tiny sizes): the plain prefill, the prefill on the
+    pool and gather + prefill + scatter each time a call, and the table puts them side by side."""
+    from gdnkit.benchmarks import pool_prefill
+    row = pool_prefill.measure(1, 2, 8, 2, torch.bfloat16, device="cpu")
+    assert all(row[f"{way}_ms"] > 0 for way in ("plain", "pool", "gather_scatter")), row
+    assert row["plain_backend"] == row["pool_backend"] == "reference"
+    md = pool_prefill.markdown([row], "cpu")
+    assert "| 1/2 | 8x2 | bfloat16 |" in md and "(reference)" in md
+    if not torch.cuda.is_available():
+        assert pool_prefill.main([str(tmp_path)]) == 2
