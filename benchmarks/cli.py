@@ -31,13 +31,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def _parse_heads(text: str | None):
-    if not text:
-        return None
-    heads = []
-    for tok in text.split(","):
-        H, _, HV = tok.strip().lower().partition("x")
-        heads.append((int(H), int(HV)))
-    return heads
+    return grids.parse_heads(text) if text else None
 
 
 def build_parser() -> argparse.ArgumentParser:

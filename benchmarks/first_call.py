@@ -80,16 +80,16 @@ def main(argv: list[str] | None = None) -> int:
                                                       "(default: all cores only; 1: compiling in the call)")
     args = parser.parse_args(argv)
     import torch
+
+    from .grids import parse_heads
+    from .report import write_study
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     rows = []
-    for pair in args.heads.split(","):
-        H, HV = (int(x) for x in pair.lower().split("x"))
+    for H, HV in parse_heads(args.heads):
         for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
             for training in (False, True):
                 rows.append(measure(H, HV, args.tokens, training, workers))
                 print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "first_call.json").write_text(json.dumps(dict(gpu=gpu, cpus=os.cpu_count(), rows=rows), indent=1))
     lines = [f"First call at a new head configuration, empty caches ({gpu}, {os.cpu_count()} CPUs)", "",
              "| heads | tokens | call | build workers | backend | import s | first call s | of it: dry run s | "
              "build s | load wait s | second ms | built by workers | their compile s (summed) | compiled in the call |",
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['first_s']:.1f} | {r.get('dry_run_seconds', 0):.1f} | {r.get('build_seconds', 0):.1f} | "
               f"{r.get('load_wait_seconds', 0):.1f} | {r['second_ms']:.1f} | {r['built_by_workers']} | "
               f"{r['worker_seconds']:.0f} | {r['compiled_in_call']} |" for r in rows]
-    (args.out / "first_call.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_study(args.out, "first_call", rows, "\n".join(lines) + "\n", gpu=gpu, cpus=os.cpu_count())
     return 0
 
 

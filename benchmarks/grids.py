@@ -16,6 +16,15 @@ STATE_PASSES = ("decode", "mtp")
 MTP_TOKENS = 4   # draft tokens a sequence in the mtp points (the T of MTP T=4)
 
 
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """"4x8,16x32" -> [(4, 8), (16, 32)]: the H x HV pairs every command of the harness and its studies takes."""
+    heads = []
+    for token in text.split(","):
+        H, _, HV = token.strip().lower().partition("x")
+        heads.append((int(H), int(HV)))
+    return heads
+
+
 def seqlens_label(seqlens: tuple[int, ...]) -> str:
     """Sequence mixes named as FlashQLA's published table names them: "1x32768" is one
     sequence of 32768 tokens, "4096x8" is eight sequences of 4096 (length x count), and unequal

@@ -23,6 +23,9 @@ import sys
 
 import torch
 
+from .grids import parse_heads
+from .report import write_study
+
 
 def _parse_mix(label: str) -> tuple[int, int]:
     """"4096x8" -> (4096 tokens, 8 sequences)."""
@@ -101,16 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         print("pool_prefill needs a CUDA GPU", file=sys.stderr)
         return 2
     rows = []
-    for pair in args.heads.split(","):
-        H, HV = (int(x) for x in pair.lower().split("x"))
+    for H, HV in parse_heads(args.heads):
         for mix in args.mixes.split(","):
             rows.append(measure(H, HV, *_parse_mix(mix), getattr(torch, args.pool_dtype)))
             print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pool_prefill.json").write_text(json.dumps(dict(gpu=gpu, rows=rows), indent=1))
-    (args.out / "pool_prefill.md").write_text(markdown(rows, gpu))
-    print(markdown(rows, gpu))
+    write_study(args.out, "pool_prefill", rows, markdown(rows, gpu), gpu=gpu)
     return 0
 
 

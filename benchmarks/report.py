@@ -74,6 +74,15 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def write_study(out: Path, name: str, rows: list[dict], table: str, **meta) -> None:
+    """A study's files (first_call.py, short_sequences.py, pool_prefill.py, transformers_e2e.py): OUT/<name>.json
+    (meta and rows) and OUT/<name>.md (the table), which is also printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    (out / f"{name}.md").write_text(table)
+    print(table)
+
+
 def empty_details() -> dict:
     return {"rows": {}, "events": [], "runs": []}
 

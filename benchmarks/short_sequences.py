@@ -22,6 +22,9 @@ import sys
 
 import torch
 
+from .grids import parse_heads
+from .report import write_study
+
 
 def _inputs(H: int, HV: int, tokens: int, length: int, device: str):
     from .inputs import make_chunk_inputs
@@ -88,16 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu_backends = [b for b in gdnkit.available_backends() if b != "reference"]
     chunked_backend = "tilelang_sm90" if "tilelang_sm90" in gpu_backends else gpu_backends[0]
     rows = []
-    for pair in args.heads.split(","):
-        H, HV = (int(x) for x in pair.lower().split("x"))
+    for H, HV in parse_heads(args.heads):
         for length in (int(x) for x in args.lengths.split(",")):
             rows.append(measure(H, HV, args.tokens, length, chunked_backend))
             print(json.dumps(rows[-1]), flush=True)
     gpu = torch.cuda.get_device_name()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "short_sequences.json").write_text(json.dumps(dict(gpu=gpu, rows=rows), indent=1))
-    (args.out / "short_sequences.md").write_text(markdown(rows, gpu))
-    print(markdown(rows, gpu))
+    write_study(args.out, "short_sequences", rows, markdown(rows, gpu), gpu=gpu)
     return 0
 
 

@@ -159,15 +159,13 @@ def main(argv=None):
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
                 fla=getattr(fla, "__version__", "?"), python=platform.python_version())
+    from .grids import parse_heads
+    from .report import write_study
     rows = []
-    for spec in args.heads.split(","):
-        H, HV = (int(x) for x in spec.split("x"))
+    for H, HV in parse_heads(args.heads):
         rows.append(measure(H, HV, args.prompt, args.new, args.batch, args.repeats, args.train_tokens))
         print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "transformers_e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (args.out / "transformers_e2e.md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    write_study(args.out, "transformers_e2e", rows, markdown(rows, meta), meta=meta)
 
 
 if __name__ == "__main__":

@@ -643,3 +643,12 @@ def test_pool_prefill_study_runs_its_three_ways(tmp_path):
     assert "| 1/2 | 8x2 | bfloat16 |" in md and "(reference)" in md
     if not torch.cuda.is_available():
         assert pool_prefill.main([str(tmp_path)]) == 2
+
+
+def test_a_study_writes_its_rows_and_table(tmp_path, capsys):
+    """report.write_study: the studies' one way of leaving results (json with meta and rows, the markdown table,
+    printed too); grids.parse_heads: their --heads."""
+    report.write_study(tmp_path / "s", "study", [{"a": 1}], "| a |\n", gpu="X")
+    assert json.loads((tmp_path / "s" / "study.json").read_text()) == {"gpu": "X", "rows": [{"a": 1}]}
+    assert (tmp_path / "s" / "study.md").read_text() == "| a |\n" and "| a |" in capsys.readouterr().out
+    assert grids.parse_heads("4x8, 16X32") == [(4, 8), (16, 32)]
