@@ -17,14 +17,13 @@ Writes OUT_DIR/pool_prefill.json and OUT_DIR/pool_prefill.md.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
 import torch
 
 from .grids import parse_heads
-from .report import write_study
+from .report import measure_each, write_study
 
 
 def _parse_mix(label: str) -> tuple[int, int]:
@@ -103,11 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("pool_prefill needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = []
-    for H, HV in parse_heads(args.heads):
-        for mix in args.mixes.split(","):
-            rows.append(measure(H, HV, *_parse_mix(mix), getattr(torch, args.pool_dtype)))
-            print(json.dumps(rows[-1]), flush=True)
+    rows = measure_each([(H, HV, *_parse_mix(mix), getattr(torch, args.pool_dtype))
+                         for H, HV in parse_heads(args.heads) for mix in args.mixes.split(",")], measure)
     gpu = torch.cuda.get_device_name()
     write_study(args.out, "pool_prefill", rows, markdown(rows, gpu), gpu=gpu)
     return 0

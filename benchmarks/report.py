@@ -74,6 +74,16 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def measure_each(cases, measure) -> list[dict]:
+    """A study's rows: measure(*case) for each case, each row printed (as JSON) as it comes, so a run cut by its
+    time limit still shows what it measured."""
+    rows = []
+    for case in cases:
+        rows.append(measure(*case))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def write_study(out: Path, name: str, rows: list[dict], table: str, **meta) -> None:
     """A study's files (first_call.py, short_sequences.py, pool_prefill.py, transformers_e2e.py): OUT/<name>.json
     (meta and rows) and OUT/<name>.md (the table), which is also printed."""

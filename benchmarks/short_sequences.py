@@ -16,14 +16,13 @@ Writes OUT_DIR/short_sequences.json and OUT_DIR/short_sequences.md.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
 import torch
 
 from .grids import parse_heads
-from .report import write_study
+from .report import measure_each, write_study
 
 
 def _inputs(H: int, HV: int, tokens: int, length: int, device: str):
@@ -90,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     import gdnkit
     gpu_backends = [b for b in gdnkit.available_backends() if b != "reference"]
     chunked_backend = "tilelang_sm90" if "tilelang_sm90" in gpu_backends else gpu_backends[0]
-    rows = []
-    for H, HV in parse_heads(args.heads):
-        for length in (int(x) for x in args.lengths.split(",")):
-            rows.append(measure(H, HV, args.tokens, length, chunked_backend))
-            print(json.dumps(rows[-1]), flush=True)
+    rows = measure_each([(H, HV, args.tokens, int(length), chunked_backend) for H, HV in parse_heads(args.heads)
+                         for length in args.lengths.split(",")], measure)
     gpu = torch.cuda.get_device_name()
     write_study(args.out, "short_sequences", rows, markdown(rows, gpu), gpu=gpu)
     return 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import pathlib
 import platform
 import time
@@ -160,11 +159,9 @@ def main(argv=None):
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
                 fla=getattr(fla, "__version__", "?"), python=platform.python_version())
     from .grids import parse_heads
-    from .report import write_study
-    rows = []
-    for H, HV in parse_heads(args.heads):
-        rows.append(measure(H, HV, args.prompt, args.new, args.batch, args.repeats, args.train_tokens))
-        print(json.dumps(rows[-1]), flush=True)
+    from .report import measure_each, write_study
+    rows = measure_each([(H, HV, args.prompt, args.new, args.batch, args.repeats, args.train_tokens)
+                         for H, HV in parse_heads(args.heads)], measure)
     write_study(args.out, "transformers_e2e", rows, markdown(rows, meta), meta=meta)
 
 
