@@ -163,7 +163,8 @@ def _grid(name: str) -> Grid:
     if name == "tiny":
         pts = (_chunk_points("fwd", ((1, 2), (2, 4)), ([64], [5, 27, 1]), K=TINY_K, V=TINY_V)
                + _chunk_points("bwd", ((1, 2),), ([24],), K=TINY_K, V=TINY_V)
-               + _decode_points(((2, 1, 2), (3, 2, 4)), K=TINY_K, V=TINY_V))
+               + _decode_points(((2, 1, 2), (3, 2, 4)), K=TINY_K, V=TINY_V)
+               + _mtp_points(((2, 1, 2),), T=3, K=TINY_K, V=TINY_V))
         return Grid("tiny", tuple(pts), accuracy_seqlens=(1, 17, 22), accuracy_decode_B=2)
     raise ValueError(f"unknown grid {name!r}; choose one of {', '.join(GRIDS)}")
 

@@ -26,10 +26,10 @@ def check_row(row: dict) -> None:
     assert tuple(row) == runner.ROW_FIELDS, f"row keys {tuple(row)}"
     for k, t in ROW_TYPES.items():
         assert isinstance(row[k], t), f"{k}={row[k]!r} is not {t}"
-    assert row["pass"] in ("fwd", "bwd", "decode")
+    assert row["pass"] in grids.PASSES
     assert row["impl"] in impls.ANCHORS or row["impl"].startswith("gdnkit:")
     assert row["kernel_ms"] > 0 and math.isfinite(row["kernel_ms"])
-    assert (row["B"] is None) == (row["pass"] != "decode")
+    assert (row["B"] is None) == (row["pass"] not in grids.STATE_PASSES)
     assert len(row["date"]) == 10 and row["date"][4] == "-"
     assert row["versions"]["torch"] == torch.__version__
 
@@ -376,6 +376,14 @@ def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
     extras = details["rows"][runner.key_str(runner.row_key(bwd))]
     assert extras["fwdbwd_ms"] > extras["fwd_train_ms"] and bwd["kernel_ms"] == pytest.approx(
         extras["fwdbwd_ms"] - extras["fwd_train_ms"])
+    # the verify pass (not in the default passes) through the same command
+    assert cli.main(["--grid", "tiny", "--device", "cpu", "--heads", "1x2", "--out", str(out), "--no-progress",
+                     "--passes", "mtp"]) == 0
+    (mtp,) = [r for r in json.loads((out / "latest.json").read_text()) if r["pass"] == "mtp"]
+    check_row(mtp)
+    assert mtp["seqlens"] == "3x2" and mtp["B"] == 2 and mtp["rel_err_vs_ref"] < 5e-3
+    extras = json.loads((out / "details.json").read_text())["rows"][runner.key_str(runner.row_key(mtp))]
+    assert extras["state_GBps"] > 0
     assert cli.main(["--out", str(out), "--report-only"]) == 0
 
 
