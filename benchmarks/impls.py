@@ -206,7 +206,7 @@ class FlashQLAImpl(AnchorImpl):
 
 
 class FlashInferImpl(AnchorImpl):
-    """FlashInfer's GDN prefill and decode. Its conventions are not FLA's; the adapter converts each input set
+    """FlashInfer's GDN prefill, decode and verify. Its conventions are not FLA's; the adapter converts each input set
     once, on its first call, and keeps the result beside it (never inside a timed call):
       - prefill: q/k/v packed [T, H, D] (the harness's B = 1 view), g as the decay factor exp(g) in fp32 [T, HV],
         beta as given; states V-major [N, HV, V, K], handed back as a transposed view;
