@@ -8,7 +8,8 @@ import torch
 from gdnkit.problem import GDNInputs, Problem
 
 from ..triton_shared.recurrence import (READ_DENSE, READ_NONE, READ_SLOT, WRITE_DENSE, WRITE_NONE,
-                                        WRITE_SLOT_FINAL, WRITE_SLOT_PER_TOKEN, launch_config, recurrent_kernel)
+                                        WRITE_SLOT_FINAL, WRITE_SLOT_PER_TOKEN, launch_config, option_flags,
+                                        recurrent_kernel)
 from ..triton_shared.sizes import cdiv, flat_grid, next_power_of_2
 
 
@@ -70,9 +71,7 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
         slots.stride(0) if slots is not None else 0, slots.shape[1] if slots is not None and slots.dim() == 2 else 1,
         H=problem.H, HV=HV, K=K, V=V, BK=next_power_of_2(K), BV=BV,
         IS_VARLEN=cu is not None, READ=read, WRITE=write, HAS_ACCEPTED=accepted is not None,
-        QK_L2NORM=problem.use_qk_l2norm_in_kernel, GATE_IN_KERNEL=problem.use_gate_in_kernel,
-        HAS_DT_BIAS=problem.has_dt_bias, BETA_SIGMOID=problem.use_beta_sigmoid_in_kernel,
-        NEG_EIGVAL=problem.allow_neg_eigval, V_FIRST=problem.state_v_first, TREE=parents is not None,
+        **option_flags(problem), TREE=parents is not None,
         num_warps=warps, num_stages=1,
     )
     return o, ht

@@ -239,6 +239,13 @@ def launch_config(K: int, V: int, n_heads_total: int) -> tuple[int, int]:
     return BV, num_warps
 
 
+def option_flags(problem: Problem) -> dict:
+    """recurrent_kernel's constexpr flags for the call's options, as every launch of it passes them."""
+    return dict(QK_L2NORM=problem.use_qk_l2norm_in_kernel, GATE_IN_KERNEL=problem.use_gate_in_kernel,
+                HAS_DT_BIAS=problem.has_dt_bias, BETA_SIGMOID=problem.use_beta_sigmoid_in_kernel,
+                NEG_EIGVAL=problem.allow_neg_eigval, V_FIRST=problem.state_v_first)
+
+
 def repair_nonfinite_chunks(problem: Problem, inputs: GDNInputs, o: torch.Tensor) -> None:
     """Make a chunked forward's output causal where a non-finite input reached it (docs/semantics.md), in place.
 
@@ -269,8 +276,6 @@ def repair_nonfinite_chunks(problem: Problem, inputs: GDNInputs, o: torch.Tensor
         problem.scale, T, B * T, N, 0, 0, 0, 1,
         H=problem.H, HV=HV, K=K, V=V, BK=next_power_of_2(K), BV=BV,
         IS_VARLEN=cu is not None, READ=READ_NONE if h0 is None else READ_DENSE, WRITE=WRITE_NONE,
-        HAS_ACCEPTED=False, QK_L2NORM=problem.use_qk_l2norm_in_kernel, GATE_IN_KERNEL=problem.use_gate_in_kernel,
-        HAS_DT_BIAS=problem.has_dt_bias, BETA_SIGMOID=problem.use_beta_sigmoid_in_kernel,
-        NEG_EIGVAL=problem.allow_neg_eigval, V_FIRST=problem.state_v_first, TREE=False, REPAIR=True,
+        HAS_ACCEPTED=False, **option_flags(problem), TREE=False, REPAIR=True,
         num_warps=warps, num_stages=1,
     )
