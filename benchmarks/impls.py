@@ -264,9 +264,11 @@ class FlashInferImpl(AnchorImpl):
         K = inp.k.shape[-1]
         pool = torch.empty(2 * B, HV, V, K, device=inp.v.device, dtype=inp.initial_state.dtype)
         pool[:B] = inp.initial_state.transpose(-1, -2)
-        slots = torch.arange(2 * B, device=inp.v.device, dtype=torch.int32)
+        # two tensors, not two halves of one: its kernels take 16-byte aligned index arrays, which slots[B:] of
+        # one int32 arange is not for B = 1, 2, 3, 5, ...
+        read, write = (torch.arange(a, a + B, device=inp.v.device, dtype=torch.int32) for a in (0, B))
         return dict(q=inp.q, k=inp.k, v=inp.v, state=None, **cls._gate_inputs(inp),
-                    initial_state=pool, initial_state_indices=slots[:B], output_state_indices=slots[B:],
+                    initial_state=pool, initial_state_indices=read, output_state_indices=write,
                     output=torch.empty(B, 1, HV, V, device=inp.v.device, dtype=torch.bfloat16))
 
     @classmethod

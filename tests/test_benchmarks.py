@@ -512,6 +512,11 @@ class _FlashInferStandIn:
                                              output_state_indices=None, intermediate_states_buffer=None,
                                              disable_state_update=False, backend="auto"):
         assert state is None and a.dtype == b.dtype == torch.bfloat16 and backend == "flashinfer"
+        given = dict(q=q, k=k, v=v, A_log=A_log, a=a, dt_bias=dt_bias, b=b, output=output,
+                     initial_state=initial_state, initial_state_indices=initial_state_indices,
+                     output_state_indices=output_state_indices, intermediate_states_buffer=intermediate_states_buffer)
+        misaligned = [n for n, t in given.items() if t is not None and t.data_ptr() % 16]
+        assert not misaligned, f"its kernels take 16-byte aligned tensors only: {misaligned}"
         T = q.shape[1]
         assert (T > 1) == (intermediate_states_buffer is not None) == disable_state_update
         g = -torch.exp(A_log.double()) * F.softplus(a.double() + dt_bias.double())
