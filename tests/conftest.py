@@ -92,6 +92,11 @@ def sm90_config():
 def poisoned_empty(monkeypatch):
     """torch.empty / empty_like / new_empty hand out NaN-filled floating tensors: an output row no kernel
     writes (and nothing zeroes) shows up as NaN instead of as whatever zeros the allocator had."""
+    poison_empty(monkeypatch)
+
+
+def poison_empty(monkeypatch) -> None:
+    """The poisoned_empty fixture's patch, for a test that first runs a call on clean memory."""
     empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
     def poison(t):

@@ -38,6 +38,45 @@ def _inputs(T, seed=0, B=1, grad=False, dtype=torch.bfloat16):
     return call
 
 
+def _nan_filled_free_memory(n_bytes: int = 1 << 30) -> None:
+    """Leaves the caching allocator's free blocks NaN-filled: what a later allocation reuses unwritten reads NaN."""
+    torch.empty(n_bytes // 4, device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("case", ["varlen-training", "l2norm-training", "segments-training", "long-inference"])
+def test_every_output_is_written_by_the_kernels(backend, case, monkeypatch):
+    """initcheck's question without the sanitizer, so for TMA stores too: with every buffer gdnkit allocates
+    NaN-filled (torch.empty poisoned) and the allocator's free memory NaN, a call's outputs, final states and
+    gradients equal bit for bit those of the same call on clean memory. The causal repair is off for the poisoned
+    call: it would rewrite (and so hide) a chunk whose output rows a kernel left unwritten, as NaN."""
+    from sanitizer_workload import _CHUNKED, _inputs as workload_inputs   # tests/ is on sys.path
+    lengths, h, hv, training, options = _CHUNKED[case]
+
+    def run():
+        call = workload_inputs(lengths, h, hv, grad=training)
+        with torch.set_grad_enabled(training):
+            o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend, **options)
+            if not training:
+                return [o, ht]
+            leaves = [t for t in call.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+            do = torch.randn(o.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5)).to(o.dtype)
+            return [o.detach(), ht.detach(), *torch.autograd.grad([o, ht], leaves, [do, torch.ones_like(ht)])]
+
+    want = [t.clone() for t in run()]
+    from conftest import poison_empty
+    poison_empty(monkeypatch)
+    from gdnkit.backends.triton_shared import recurrence
+    monkeypatch.setattr(recurrence, "repair_nonfinite_chunks", lambda *a, **k: None)
+    _nan_filled_free_memory()
+    got = run()
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.isfinite(b).all(), f"output {i}: NaN where no kernel wrote"
+        assert torch.equal(a, b), f"output {i} differs on poisoned memory"
+
+
 @pytest.mark.parametrize("backend", _backends())
 def test_thousand_repeats_are_bitwise_identical(backend):
     """Forward and backward at one quick point, 1000 times: every output and gradient bit for bit the first one."""

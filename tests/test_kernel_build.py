@@ -159,6 +159,21 @@ def test_markers_depend_on_the_job_and_the_cache(cache, tmp_path_factory, monkey
     assert not kernel_build.is_built(a)
 
 
+def test_markers_follow_the_kernel_sources_only():
+    """The markers' identity hashes what the kernels are made from: every module that writes a TileLang program
+    (a `*_program` function), the helpers those import (sequence_macros, group_sum), and no host-side module, whose
+    edits must not send every kernel back to a rebuild."""
+    import pathlib
+    import re
+    names = {p.name for p in kernel_build.kernel_sources()}
+    package = pathlib.Path(kernel_build.__file__).parent
+    writers = {p.name for p in package.glob("*.py") if re.search(r"^def \w+_program\(", p.read_text(), re.MULTILINE)}
+    assert len(writers) >= 9 and writers <= names
+    assert {"sequence_macros.py", "group_sum.py"} <= names
+    assert not names & {"kernel_build.py", "forward.py", "backward.py", "plan.py", "config.py", "precompile.py",
+                        "__init__.py"}
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "many"])
 def test_build_workers_from_the_environment_are_checked(monkeypatch, value):
     monkeypatch.setenv("GDNKIT_BUILD_WORKERS", value)

@@ -35,6 +35,7 @@ import inspect
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -182,12 +183,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TILELANG_CACHE_DIR") or Path.home() / ".tilelang" / "cache")
 
 
+def kernel_sources() -> list[Path]:
+    """The files the kernels are made from: the modules that write TileLang programs (they import
+    tilelang.language) and the modules of this package those import. Host-side files (planning, this one) are not
+    among them, so editing those keeps every marker: a marker only says TileLang's disk cache holds the kernel,
+    and TileLang keys that cache on the program itself, so a stale marker costs a compile in the call, never a
+    wrong kernel."""
+    here = Path(__file__).parent
+    programs = [p for p in sorted(here.glob("*.py"))
+                if re.search(r"^import tilelang\.language", p.read_text(), re.MULTILINE)]
+    imported = {m for p in programs for m in re.findall(r"^from \.(\w+) import", p.read_text(), re.MULTILINE)}
+    return sorted({*programs, *(here / f"{m}.py" for m in imported if (here / f"{m}.py").exists())})
+
+
 @functools.lru_cache(maxsize=None)
 def _build_identity() -> str:
-    """What else a compiled kernel depends on: this package's kernel sources and the TileLang version."""
+    """What else a compiled kernel depends on: the kernel sources (kernel_sources) and the TileLang version."""
     from importlib import metadata
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in kernel_sources():
         digest.update(path.name.encode() + path.read_bytes())
     try:
         digest.update(metadata.version("tilelang").encode())
