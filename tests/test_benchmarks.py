@@ -665,3 +665,27 @@ def test_a_study_writes_its_rows_and_table(tmp_path, capsys):
     assert json.loads((tmp_path / "s" / "study.json").read_text()) == {"gpu": "X", "rows": [{"a": 1}]}
     assert (tmp_path / "s" / "study.md").read_text() == "| a |\n" and "| a |" in capsys.readouterr().out
     assert grids.parse_heads("4x8, 16X32") == [(4, 8), (16, 32)]
+
+
+def test_host_time_study_splits_a_call_into_its_layers(tmp_path):
+    """benchmarks/host_time.py on the CPU (the reference backend): every call kind gets host and wall times, and
+    gdnkit's rows the cumulative time of its layers, each inside the whole call, and the functions with the most
+    own time; an unknown call kind is refused."""
+    import json
+
+    from gdnkit.benchmarks import host_time
+    host_time.main([str(tmp_path), "--heads", "1x2", "--tokens", "64", "--batch", "2", "--impls", "gdnkit:reference",
+                    "--repeats", "3", "--device", "cpu"])
+    rows = json.loads((tmp_path / "host_time.json").read_text())["rows"]
+    assert [r["call"] for r in rows] == list(host_time.CALLS) and not any("error" in r for r in rows)
+    for r in rows:
+        assert 0 < r["enqueue_ms"] <= r["wall_ms"] * 1.5
+        layers = r["layers_us"]
+        public = layers["public call (decode)" if r["call"] == "decode" else "public call"]
+        assert {"validation", "dispatch"} <= set(layers) and all(0 < us <= layers["whole call"] * 1.01
+                                                                  for us in layers.values())
+        assert layers["validation"] < public and layers["dispatch"] < public
+        assert r["top_functions"] and r["top_functions"][0]["own_us"] >= r["top_functions"][-1]["own_us"]
+    assert "| layer | cumulative us |" in (tmp_path / "host_time.md").read_text()
+    with pytest.raises(SystemExit):
+        host_time.main([str(tmp_path), "--calls", "prefill"])
