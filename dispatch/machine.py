@@ -132,6 +132,11 @@ def machine() -> Machine:
     return _injected[-1] if _injected else _probed()
 
 
+def probed_machine() -> Machine:
+    """This machine as probed (cached), whatever is injected."""
+    return _probed()
+
+
 @contextlib.contextmanager
 def use_machine(fake: Machine) -> Iterator[Machine]:
     """Make dispatch see `fake` instead of the real machine, e.g. an Ada GPU without tilelang."""

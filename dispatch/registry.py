@@ -87,6 +87,7 @@ BACKEND_MODULES = (
 
 _registry: dict[str, Backend] = {}
 _loaded = False
+_sorted: tuple[tuple, list] = ((), [])   # (the registry's backends, them by priority)
 
 
 def register(backend: Backend) -> Backend:
@@ -97,14 +98,19 @@ def register(backend: Backend) -> Backend:
 
 
 def backends() -> list[Backend]:
-    """Every registered backend, highest priority first."""
-    global _loaded
+    """Every registered backend, highest priority first (sorted again only when the registry changed: every
+    eager call asks)."""
+    global _loaded, _sorted
     if not _loaded:
         for module in BACKEND_MODULES:
             importlib.import_module(module)
         _loaded = True
-    return sorted(_registry.values(), key=lambda b: -b.priority)
+    members = tuple(_registry.values())
+    if _sorted[0] != members:
+        _sorted = (members, sorted(members, key=lambda b: -b.priority))
+    return list(_sorted[1])
 
 
 def get(name: str) -> Backend | None:
-    return next((b for b in backends() if b.name == name), None)
+    backends()
+    return _registry.get(name)

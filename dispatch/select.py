@@ -16,7 +16,7 @@ from gdnkit import seqlayout
 from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE, Problem
 
 from . import registry
-from .machine import Machine, machine as current_machine
+from .machine import Machine, machine as current_machine, probed_machine
 from .registry import Backend
 
 log = logging.getLogger("gdnkit")
@@ -109,6 +109,16 @@ def short_sequences(problem: Problem, cu_seqlens: torch.Tensor | None) -> bool:
     return max(b - a for a, b in zip(offsets[:-1], offsets[1:])) <= SHORT_SEQUENCE
 
 
+# Recent decisions: an eager loop repeats its problem call after call (a decode step, a training step of one
+# shape), and deciding again asks every backend for its reasons (~30 us of host time a call on a 2-core CPU). Kept
+# for the probed machine only (an injected one is a test's or explain()'s), keyed on the whole problem, the name
+# asked for, the short-sequence form and the registered backends themselves; a backend whose instance overrides
+# its reasons (a test's monkeypatch) is decided afresh.
+_DECIDED: dict[tuple, tuple[Decision, Machine]] = {}   # the machine kept alive: its id is in the key
+_DECIDED_MAX = 256
+_OVERRIDES = frozenset({"reasons", "supports", "unavailable_reasons", "support"})
+
+
 def decide(problem: Problem, backend: str | None = None, machine: Machine | None = None,
            short: bool = False) -> Decision:
     """The decision for `problem` without acting on it: a forced backend that cannot take the problem, or
@@ -120,6 +130,22 @@ def decide(problem: Problem, backend: str | None = None, machine: Machine | None
     if not isinstance(name, str):
         raise TypeError(f"backend must be a backend name (str) or None, got {type(name).__name__}")
     candidates = registry.backends()
+    key = None
+    if machine is probed_machine() and all(_OVERRIDES.isdisjoint(vars(b)) for b in candidates):
+        key = (problem, name, source, short, tuple(candidates), id(machine))
+        decided = _DECIDED.get(key)
+        if decided is not None:
+            return decided[0]
+    decision = _decide(problem, name, source, short, candidates, machine)
+    if key is not None:
+        if len(_DECIDED) >= _DECIDED_MAX:
+            _DECIDED.pop(next(iter(_DECIDED)))
+        _DECIDED[key] = (decision, machine)
+    return decision
+
+
+def _decide(problem: Problem, name: str, source: str, short: bool, candidates: list[Backend],
+            machine: Machine) -> Decision:
     if name != AUTO and name not in {b.name for b in candidates}:
         raise ValueError(f"unknown backend {_origin(source)}{name!r}; valid names: {', '.join(valid_names())}")
     if name == AUTO and short:

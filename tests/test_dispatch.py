@@ -148,6 +148,33 @@ def test_unknown_name_lists_valid_names(monkeypatch):
         gdnkit.fused_recurrent_gated_delta_rule(**x)
 
 
+def test_a_repeated_problem_is_decided_once(monkeypatch):
+    """An eager loop repeats its problem: the second decision is the first, no backend asked again; another
+    problem, another name asked for (argument or environment) or an injected machine decide afresh."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("gdnkit.dispatch.select"), "_DECIDED", {})
+    asked = []
+    real = dispatch.Backend.reasons
+    monkeypatch.setattr(dispatch.Backend, "reasons", lambda self, p, m: asked.append(self.name) or real(self, p, m))
+    p = problem(device_type="cpu")
+    first = dispatch.decide(p)
+    n = len(asked)
+    assert n == len(registry.backends()) and first.chosen == "reference"
+    assert dispatch.decide(p) is first and dispatch.select(p)[1] is first and len(asked) == n
+    assert dispatch.decide(dataclasses.replace(p, T=p.T + 1)) == dataclasses.replace(
+        first, problem=dataclasses.replace(p, T=p.T + 1)) and len(asked) == 2 * n
+    assert dispatch.decide(p, backend="reference").source == "argument" and len(asked) == 3 * n
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.decide(p).source == "environment"
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    before = len(asked)
+    with dispatch.use_machine(fake_machine("hopper_sm90", "none")):
+        dispatch.decide(p)
+        dispatch.decide(p)
+    assert len(asked) == before + 2 * n
+    assert dispatch.decide(p) is first
+
+
 def test_no_backend_at_all_is_one_error_listing_everyone(monkeypatch, declining):
     ref = registry.get("reference")
     monkeypatch.setattr(ref, "supports", lambda p, m: ["switched off for this test"])
