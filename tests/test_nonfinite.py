@@ -439,3 +439,37 @@ def test_gpu_resets_and_causal_nan(backend):
     # led in from after the bad chunk, which the rule allows)
     assert torch.isfinite(ht[1:]).all()
     assert (ht[1:].double() - ht_ref[1:]).norm() / ht_ref[1:].norm() < 1e-2
+
+
+def test_the_repair_compiles_without_launching_in_a_dry_run(monkeypatch):
+    """A first call's dry run builds the repair's kernel without running it (Triton's warmup): the same grid and
+    arguments as the launch after the call, so the launch finds that build; off a GPU nothing is asked at all."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.triton_shared import recurrence
+
+    class Kernel:
+        def __init__(self):
+            self.launched, self.warmed = [], []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launched.append((grid, args, kwargs))
+
+        def warmup(self, *args, grid, **kwargs):
+            self.warmed.append((grid, args, kwargs))
+
+    kernel = Kernel()
+    monkeypatch.setattr(recurrence, "recurrent_kernel", kernel)
+    call = make_inputs([5, 70], H=1, HV=2, K=16, V=16)
+    problem, inputs = validate_inputs(CHUNK_MODE, call["q"], call["k"], call["v"], call["g"], call["beta"],
+                                      cu_seqlens=call["cu_seqlens"])
+    o = torch.zeros_like(call["v"])
+    recurrence.repair_nonfinite_chunks(problem, inputs, o, compile_only=True)
+    assert kernel.warmed == kernel.launched == []        # CPU tensors: nothing compiles here
+    monkeypatch.setattr(recurrence, "_compiles_here", lambda o: True)
+    recurrence.repair_nonfinite_chunks(problem, inputs, o, compile_only=True)
+    assert len(kernel.warmed) == 1 and kernel.launched == []
+    recurrence.repair_nonfinite_chunks(problem, inputs, o)
+    assert len(kernel.launched) == 1
+    (wgrid, wargs, wkw), (lgrid, largs, lkw) = kernel.warmed[0], kernel.launched[0]
+    assert wgrid == lgrid and wkw == lkw and len(wargs) == len(largs)
+    assert all(a is b for a, b in zip(wargs, largs)) and wkw["REPAIR"] is True

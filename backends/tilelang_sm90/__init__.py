@@ -82,13 +82,16 @@ class TileLangSM90Backend(Backend):
 
 def _every_launch(problem: Problem, inputs: GDNInputs) -> None:
     """The call's launches (kernel_build's dry run): the forward, and where the call trains, the backward it will
-    run, with and without a final-state gradient, so one build serves the whole step."""
+    run, with and without a final-state gradient, so one build serves the whole step; and the causal repair's
+    Triton kernel, compiled without a launch (its compile then overlaps the builds rather than following them)."""
+    from ..triton_shared.recurrence import repair_nonfinite_chunks
     from .backward import backward
     from .forward import forward
     o, ht, saved = forward(problem, inputs)
     if saved is not None:
         for dht in (None,) if ht is None else (None, torch.empty_like(ht)):
             backward(problem, saved, torch.empty_like(o), dht)
+    repair_nonfinite_chunks(problem, inputs, o, compile_only=True)
 
 
 def _what(problem: Problem) -> str:
