@@ -331,8 +331,11 @@ def _check_serving(mode, q, T, N, HV, K, V, state_v_first, pool, cu_seqlens, ind
 
 
 def _slots_in_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
-    bad = (idx < -1) | (idx >= num_slots)
-    if bad.any():
+    if idx.numel() == 0:
+        return
+    lo, hi = (int(x) for x in idx.aminmax())   # one pass; where to point in the message only on failure
+    if lo < -1 or hi >= num_slots:
+        bad = (idx < -1) | (idx >= num_slots)
         at = tuple(bad.nonzero()[0].tolist())
         raise ValueError(f"{name} must hold pool slots in [0, {num_slots}) or -1 for padding, got "
                          f"{int(idx[at])} at {list(at)}")
@@ -349,6 +352,11 @@ def _check_per_token_companion(name: str, t: torch.Tensor, indices: torch.Tensor
 
 def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, checkpoints=None,
                        every=None, parents=None) -> None:
+    if indices.dim() == 1 and checkpoints is None and _one_slot_each_holds(indices.tolist(), num_slots, inplace):
+        # one slot per sequence, read and (in place) written by it alone: slots in range, and in place no live slot
+        # twice, is all there is to check (a decode step's or a pool prefill's common case: one copy to the host
+        # and a pass in Python; the general checks below say where it fails)
+        return
     idx = indices.detach().cpu().long()
     _slots_in_range("ssm_state_indices", idx, num_slots)
     lengths = (torch.full((N,), T, dtype=torch.long) if cu_seqlens is None
@@ -411,6 +419,14 @@ def _check_slot_values(indices, accepted, num_slots, inplace, T, N, cu_seqlens, 
         i = int(clash.nonzero()[0, 0])
         raise ValueError(f"ssm_state_indices: sequence {int(readers[i])} reads pool slot {int(read[readers[i]])}, "
                          f"which sequence {int(writer[i])} writes in the same call")
+
+
+def _one_slot_each_holds(slots: list[int], num_slots: int, inplace: bool) -> bool:
+    """1-D indices as a list: every slot in [-1, num_slots), and in place no live slot named twice."""
+    if slots and (min(slots) < -1 or max(slots) >= num_slots):
+        return False
+    live = [s for s in slots if s >= 0]
+    return not inplace or len(set(live)) == len(live)
 
 
 def _check_parents(parents: torch.Tensor, idx: torch.Tensor, used: torch.Tensor) -> None:
