@@ -228,11 +228,13 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     recognised by its fifth argument (None or a [B, T, HV, K] gk, where beta is [B, T, HV]).
     g=None means no decay and beta=None a write strength of 1, as in FLA.
     """
-    if args and beta is None and scale is None and initial_state is None and output_final_state is False \
-            and len(args) <= 4 and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
-        # (q, k, v, g, beta, ...) written positionally, the common form, bound without the general path's dicts
-        beta, scale, initial_state, output_final_state = args + (None, None, None, False)[len(args):]
-        args = ()
+    if args and len(args) <= 4 and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+        given = (beta, scale, initial_state, output_final_state)
+        if all(x is d for x, d in zip(given, (None, None, None, False)[:len(args)])):
+            # (q, k, v, g, beta, ...) written positionally, the common form (the rest by keyword or not at all),
+            # bound without the general path's dicts; a value given twice is left to it, which names it
+            beta, scale, initial_state, output_final_state = args + given[len(args):]
+            args = ()
     if args:
         named = _recurrent_positional(args, dict(
             gk=hints.pop("gk", None), gv=hints.pop("gv", None), beta=beta, scale=scale, initial_state=initial_state,
