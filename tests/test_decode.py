@@ -281,6 +281,19 @@ def test_serving_validation(change, error, words):
     assert words in str(info.value)
 
 
+def test_serving_slot_check_takes_padding_and_names_clashes_after_it():
+    """1-D slots: any number of -1 paddings pass; a live slot named twice, or one out of range, is named after
+    them too; a pool only read (inplace_final_state=False) may have sequences share a slot."""
+    ok = _base(ssm_state_indices=torch.tensor([-1, 4, -1]))
+    validate_inputs(RECURRENT_MODE, **ok)
+    with pytest.raises(ValueError, match="pool slot 4 is written by sequences 1 and 2"):
+        validate_inputs(RECURRENT_MODE, **_base(ssm_state_indices=torch.tensor([-1, 4, 4])))
+    with pytest.raises(ValueError, match=r"got 5 at \[2\]"):
+        validate_inputs(RECURRENT_MODE, **_base(ssm_state_indices=torch.tensor([-1, -1, 5])))
+    validate_inputs(RECURRENT_MODE, **_base(ssm_state_indices=torch.tensor([3, 3, -1]), inplace_final_state=False,
+                                            output_final_state=True))
+
+
 def test_serving_validation_grad_mode_and_chunk_mode():
     call = _base()
     call["q"] = call["q"].requires_grad_()
