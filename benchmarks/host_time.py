@@ -9,8 +9,8 @@ shapes and in decode, the host work is the call's time. Per (heads, call kind, i
 - enqueue ms: host time of one call with the GPU's queue never waited on (`repeats` calls back to back, then one
   synchronize, which is not counted): what the call costs the CPU;
 - wall ms: the same calls' wall time to the end of the GPU's work, per call;
-- launches and host syncs per call (torch.profiler's CUDA runtime and driver events: kernel launches, and the
-  device-to-host copies and synchronizations a call waits on).
+- launches, host syncs and PyTorch operators per call (torch.profiler: the CUDA runtime and driver events of
+  kernel launches, device-to-host copies and synchronizations a call waits on; the operators a call ran itself).
 For gdnkit, cProfile over `repeats` calls: the functions with the most own time, in microseconds per call, and the
 cumulative time of its layers (the public call, validation, dispatch, the backend's forward/backward, launches).
 
@@ -21,6 +21,7 @@ Runs on a CPU too (the reference backend: the layers above the backend are the s
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pathlib
 import platform
@@ -96,12 +97,17 @@ def _runtime_events(fn, repeats: int, device: torch.device) -> dict:
         for _ in range(repeats):
             fn()
         _synchronize(device)
-    names = [e.name for e in prof.events()]
+    events = prof.events()
+    names = [e.name for e in events]
     count = lambda wanted: sum(n in wanted for n in names) / repeats  # noqa: E731
     d2h = sum(n in ("cudaMemcpy", "cudaMemcpyAsync") for n in names) / repeats
+    # PyTorch operators the calls ran themselves (not those inside another operator), by name
+    ops = collections.Counter(e.name for e in events if e.name.startswith("aten::") and not (
+        e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
     # the final synchronize of the loop is the profiler's, not the calls': one over all of them
     return {"launches": count(LAUNCH_EVENTS), "syncs": max(count(SYNC_EVENTS) - 1 / repeats, 0.0),
-            "memcpys": d2h}
+            "memcpys": d2h, "torch_ops": sum(ops.values()) / repeats,
+            "top_torch_ops": {name: n / repeats for name, n in ops.most_common(12)}}
 
 
 def _profile(fn, repeats: int, top: int = 25) -> tuple[list[dict], dict]:
@@ -148,15 +154,15 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"torch {meta['torch']}, python {meta['python']}; {meta['repeats']} calls a row, back to back. enqueue: host "
              "time a call (the GPU never waited on); wall: to the end of its GPU work; launches and syncs a call "
              "from torch.profiler.", "",
-             "| heads | call | tokens / batch | impl | enqueue ms | wall ms | launches | syncs |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| heads | call | tokens / batch | impl | enqueue ms | wall ms | launches | syncs | torch ops |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['heads']} | {r['call']} | {r['tokens']} | {r['impl']} | {r['error']} | | | |")
+            lines.append(f"| {r['heads']} | {r['call']} | {r['tokens']} | {r['impl']} | {r['error']} | | | | |")
             continue
         fmt = lambda key: "" if key not in r else (f"{r[key]:.3f}" if key.endswith("ms") else f"{r[key]:.1f}")  # noqa: E731
         lines.append(f"| {r['heads']} | {r['call']} | {r['tokens']} | {r['impl']} | {fmt('enqueue_ms')} | "
-                     f"{fmt('wall_ms')} | {fmt('launches')} | {fmt('syncs')} |")
+                     f"{fmt('wall_ms')} | {fmt('launches')} | {fmt('syncs')} | {fmt('torch_ops')} |")
     for r in rows:
         if "layers_us" not in r:
             continue
@@ -166,6 +172,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines += ["", "| function | calls | own us | cumulative us |", "|---|---|---|---|"]
         lines += [f"| {f['function']} | {f['calls']:.1f} | {f['own_us']:.1f} | {f['cumulative_us']:.1f} |"
                   for f in r["top_functions"][:15]]
+        if r.get("top_torch_ops"):
+            lines += ["", "PyTorch operators a call: " + ", ".join(f"{name} x{n:g}" for name, n in r["top_torch_ops"].items())]
     return "\n".join(lines) + "\n"
 
 
