@@ -82,14 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .grids import parse_heads
-    from .report import write_study
+    from .report import measure_each, write_study
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    rows = []
-    for H, HV in parse_heads(args.heads):
-        for workers in [int(w) for w in args.workers.split(",") if w] or [None]:
-            for training in (False, True):
-                rows.append(measure(H, HV, args.tokens, training, workers))
-                print(json.dumps(rows[-1]), flush=True)
+    rows = measure_each([(H, HV, args.tokens, training, workers) for H, HV in parse_heads(args.heads)
+                         for workers in [int(w) for w in args.workers.split(",") if w] or [None]
+                         for training in (False, True)], measure)
     lines = [f"First call at a new head configuration, empty caches ({gpu}, {os.cpu_count()} CPUs)", "",
              "| heads | tokens | call | build workers | backend | import s | first call s | of it: dry run s | "
              "build s | load wait s | second ms | built by workers | their compile s (summed) | compiled in the call |",

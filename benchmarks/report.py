@@ -85,8 +85,8 @@ def measure_each(cases, measure) -> list[dict]:
 
 
 def write_study(out: Path, name: str, rows: list[dict], table: str, **meta) -> None:
-    """A study's files (first_call.py, short_sequences.py, pool_prefill.py, transformers_e2e.py): OUT/<name>.json
-    (meta and rows) and OUT/<name>.md (the table), which is also printed."""
+    """A study's files (first_call.py, host_time.py, short_sequences.py, pool_prefill.py, transformers_e2e.py):
+    OUT/<name>.json (meta and rows) and OUT/<name>.md (the table), which is also printed."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     (out / f"{name}.md").write_text(table)
