@@ -1,14 +1,18 @@
 """How long a user waits for the first call at a new head configuration: import, first call, second call.
 
     python -m gdnkit.benchmarks.first_call OUT_DIR [--heads 16x32] [--tokens 8192] [--workers N ...]
+                                           [--stand-in 1,0]
 
 Each measurement runs in a fresh process with empty TileLang and Triton caches (a new machine, or a head
 configuration never run there): import gdnkit, make bf16 inputs of one sequence, then an inference call
-(torch.no_grad forward) or a training step (forward and backward), each followed by a second one. With
-GDNKIT_BUILD_WORKERS=1 the call compiles its kernels one after another (the path before parallel builds); else
-tilelang_sm90's kernel_build builds them in worker processes first. `kernel_build.counts` says what happened:
-kernels built by workers (and their compile seconds summed, which is what one process compiling them in turn
-would spend), and kernels the call compiled itself (0 when the dry run found every kernel).
+(torch.no_grad forward) or a training step (forward and backward), then a second one; then it waits for the
+kernels the first call started building (kernel_build.wait_for_builds) and makes two more calls, the first of
+which loads them. With the stand-in on (default) the first calls run on triton_generic while tilelang_sm90's
+kernels build; with GDNKIT_STAND_IN=0 (`--stand-in 0`) the first call waits for them. With
+GDNKIT_BUILD_WORKERS=1 the call compiles its kernels one after another (the path before parallel builds).
+`kernel_build.counts` says what happened: kernels built by workers (and their compile seconds summed, which is
+what one process compiling them in turn would spend), and kernels the call compiled itself (0 when the dry run
+found every kernel).
 
 Writes OUT_DIR/first_call.json and OUT_DIR/first_call.md.
 """
@@ -46,18 +50,28 @@ def call():
             gdnkit.chunk_gated_delta_rule(**inputs)
     torch.cuda.synchronize()
 
+def timed():
+    begun = time.monotonic(); call(); return time.monotonic() - begun
+
 torch.cuda.synchronize()
-t0 = time.monotonic(); call(); t1 = time.monotonic(); call(); t2 = time.monotonic()
 from gdnkit.backends.tilelang_sm90 import kernel_build
-print(json.dumps(dict(backend=chosen, import_s=imported - start, first_s=t1 - t0, second_ms=1e3 * (t2 - t1),
+t0 = time.monotonic()
+first_s, second_s = timed(), timed()
+kernel_build.wait_for_builds()
+ready_s = time.monotonic() - t0
+after_s, steady_s = timed(), timed()
+print(json.dumps(dict(backend=chosen, import_s=imported - start, first_s=first_s, second_ms=1e3 * second_s,
+                      ready_s=ready_s, after_build_ms=1e3 * after_s, steady_ms=1e3 * steady_s,
                       **kernel_build.counts)))
 """
 
 
-def measure(H: int, HV: int, tokens: int, training: bool, workers: int | None) -> dict:
+def measure(H: int, HV: int, tokens: int, training: bool, workers: int | None, stand_in: bool = True) -> dict:
     """One fresh process, empty caches; returns its figures (and its stderr's progress lines)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TILELANG_CACHE_DIR=f"{cache}/tilelang", TRITON_CACHE_DIR=f"{cache}/triton")
+        env = dict(os.environ, TILELANG_CACHE_DIR=f"{cache}/tilelang", TRITON_CACHE_DIR=f"{cache}/triton",
+                   GDNKIT_STAND_IN="1" if stand_in else "0")
+        env.pop("GDNKIT_BACKEND", None)   # auto dispatch: a named backend never runs on a stand-in
         if workers is not None:
             env["GDNKIT_BUILD_WORKERS"] = str(workers)
         out = subprocess.run([sys.executable, "-c", _CHILD, str(H), str(HV), str(tokens),
@@ -65,9 +79,11 @@ def measure(H: int, HV: int, tokens: int, training: bool, workers: int | None) -
     if out.returncode:
         raise RuntimeError(f"the measurement failed:\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
+    lines = out.stderr.splitlines()
+    stand_ins = [line.split(" run on ")[1].split()[0] for line in lines if line.startswith("gdnkit: until ")]
     row.update(heads=f"{H}/{HV}", tokens=tokens, call="training step" if training else "inference",
-               workers=workers or "all cores", progress=[line for line in out.stderr.splitlines()
-                                                         if line.startswith("gdnkit: building")][-1:])
+               workers=workers or "all cores", stand_in=stand_ins[0] if stand_ins else "none",
+               progress=[line for line in lines if line.startswith(("gdnkit: building", "gdnkit: until"))][-2:])
     return row
 
 
@@ -78,23 +94,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--workers", default="", help="GDNKIT_BUILD_WORKERS values to measure, comma-separated "
                                                       "(default: all cores only; 1: compiling in the call)")
+    parser.add_argument("--stand-in", default="1", help="GDNKIT_STAND_IN values to measure, comma-separated "
+                                                        "(1: the first calls run on triton_generic; 0: they wait)")
     args = parser.parse_args(argv)
     import torch
 
     from .grids import parse_heads
     from .report import measure_each, write_study
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    rows = measure_each([(H, HV, args.tokens, training, workers) for H, HV in parse_heads(args.heads)
+    rows = measure_each([(H, HV, args.tokens, training, workers, stand_in == "1")
+                         for H, HV in parse_heads(args.heads)
                          for workers in [int(w) for w in args.workers.split(",") if w] or [None]
-                         for training in (False, True)], measure)
+                         for stand_in in args.stand_in.split(",") for training in (False, True)], measure)
     lines = [f"First call at a new head configuration, empty caches ({gpu}, {os.cpu_count()} CPUs)", "",
-             "| heads | tokens | call | build workers | backend | import s | first call s | of it: dry run s | "
-             "build s | load wait s | second ms | built by workers | their compile s (summed) | compiled in the call |",
-             "|" + "---|" * 14]
-    lines += [f"| {r['heads']} | {r['tokens']} | {r['call']} | {r['workers']} | {r['backend']} | {r['import_s']:.1f} | "
-              f"{r['first_s']:.1f} | {r.get('dry_run_seconds', 0):.1f} | {r.get('build_seconds', 0):.1f} | "
-              f"{r.get('load_wait_seconds', 0):.1f} | {r['second_ms']:.1f} | {r['built_by_workers']} | "
-              f"{r['worker_seconds']:.0f} | {r['compiled_in_call']} |" for r in rows]
+             "| heads | tokens | call | build workers | backend | first calls ran on | import s | first call s | "
+             "second ms | kernels built s | of it: dry run s | build s | load wait s | next call ms | then ms | "
+             "built by workers | their compile s (summed) | compiled in the call |",
+             "|" + "---|" * 18]
+    lines += [f"| {r['heads']} | {r['tokens']} | {r['call']} | {r['workers']} | {r['backend']} | "
+              f"{r['stand_in'] if r['stand_in'] != 'none' else r['backend']} | {r['import_s']:.1f} | "
+              f"{r['first_s']:.1f} | {r['second_ms']:.1f} | {r['ready_s']:.1f} | {r.get('dry_run_seconds', 0):.1f} | "
+              f"{r.get('build_seconds', 0):.1f} | {r.get('load_wait_seconds', 0):.1f} | {r['after_build_ms']:.1f} | "
+              f"{r['steady_ms']:.1f} | {r['built_by_workers']} | {r['worker_seconds']:.0f} | {r['compiled_in_call']} |"
+              for r in rows]
     write_study(args.out, "first_call", rows, "\n".join(lines) + "\n", gpu=gpu, cpus=os.cpu_count())
     return 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -20,6 +20,18 @@ from gdnkit.problem import GDNGrads, GDNInputs, Problem
 
 from .machine import Machine
 from .support import Support
+
+
+class KernelsBuilding(Exception):
+    """Raised by `Backend.chunk_forward_unless_building`, before the call writes anything, when the kernels it
+    needs are being built in the background (a backend's first call at a new configuration). The caller may run
+    the call on another backend meanwhile (gdnkit.autograd: the stand-in), or `resume()`: wait for the kernels
+    and run the call on this backend, returning what chunk_forward returns."""
+
+    def __init__(self, what: str, resume: Callable[[], tuple], first: bool):
+        super().__init__(f"kernels for {what} are being built")
+        self.what, self.resume = what, resume
+        self.first = first   # raised by the call that started the build (the one that announces a stand-in)
 
 
 class Backend(abc.ABC):
@@ -60,6 +72,12 @@ class Backend(abc.ABC):
     def chunk_forward(self, problem: Problem, inputs: GDNInputs
                       ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """Chunked prefill: returns (o [B,T,HV,V] in v's dtype, final state or None, saved)."""
+
+    def chunk_forward_unless_building(self, problem: Problem, inputs: GDNInputs
+                                      ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """chunk_forward, or KernelsBuilding where the kernels for this call are still being built (a backend
+        that builds kernels in the background overrides this; every other one just runs)."""
+        return self.chunk_forward(problem, inputs)
 
     @abc.abstractmethod
     def chunk_backward(self, problem: Problem, saved: Any, do: torch.Tensor,

@@ -23,6 +23,8 @@ log = logging.getLogger("gdnkit")
 
 ENV_VAR = "GDNKIT_BACKEND"
 AUTO = "auto"
+# "0": a call whose backend is still building its kernels waits for them instead of running on a stand-in.
+STAND_IN_ENV_VAR = "GDNKIT_STAND_IN"
 # Under auto dispatch, an inference chunked call on a GPU whose sequences are all at most this many tokens runs in
 # the token-by-token form (the same function): each of its programs walks a few tokens where the chunked kernels
 # pay a whole 64-token chunk per sequence and several launches (an H100 took 12 ms for 4096 sequences of 8 tokens
@@ -175,3 +177,19 @@ def select(problem: Problem, backend: str | None = None, machine: Machine | None
     if log.isEnabledFor(logging.DEBUG):
         log.debug("gdnkit dispatch: %s", str(decision).replace("\n", " | "))
     return registry.get(decision.chosen), decision
+
+
+def stand_in(problem: Problem, building: str, backend: str | None = None) -> Backend | None:
+    """The backend that runs `problem` while `building`'s kernels for it are being built (Backend.
+    chunk_forward_unless_building): under auto dispatch, the next backend by priority that takes the problem,
+    the reference excepted (its float64 recurrence would take longer than the wait). None where the call must
+    wait: the backend was named (backend= or GDNKIT_BACKEND), GDNKIT_STAND_IN=0, or no other backend takes it."""
+    wanted = os.environ.get(STAND_IN_ENV_VAR, "").strip()
+    if wanted not in ("", "0", "1"):
+        raise ValueError(f"{STAND_IN_ENV_VAR} must be 0 (wait for the kernels) or 1 (run on a stand-in), "
+                         f"got {wanted!r}")
+    if _requested(backend)[1] != "auto" or wanted == "0":
+        return None
+    reasons = decide(problem, backend).reasons
+    name = next((n for n, why in reasons.items() if not why and n not in (building, "reference")), None)
+    return None if name is None else registry.get(name)

@@ -112,7 +112,7 @@ def _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, b
 def _call(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, **options):
     chosen, problem, inputs = _prepare(mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend,
                                        **options)
-    return autograd.run(chosen, problem, inputs)
+    return autograd.run(chosen, problem, inputs, backend)
 
 
 # FLA's functions take keywords they only read as hints, and ignore any they do not know (transformers passes

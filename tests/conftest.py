@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
     # tripled the CPU time of the reference tests (2 cores, one thread each: 62 s against 113 s).
     torch.set_num_threads(1)
 
+# A test checks the backend that auto dispatch (or its argument) picks, on every call: a first call must not run on
+# a stand-in while that backend builds its kernels (test_stand_in.py turns the stand-in back on for itself).
+os.environ.setdefault("GDNKIT_STAND_IN", "0")
+
 
 # Compiling kernels without a GPU takes 20-190 s a test on 2 cores (~40 minutes in all): these run in CI, not in the
 # default quick run. TileLang's: the tests that build a kernel (through _tilelang, _kernel or _source); Triton's:

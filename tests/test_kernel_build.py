@@ -7,10 +7,12 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from gdnkit.backends.tilelang_sm90 import kernel_build
+from gdnkit.dispatch import KernelsBuilding
 from gdnkit.backends.tilelang_sm90.kernel_build import Job
 
 
@@ -19,6 +21,8 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_build, "WORKERS", 4)
     monkeypatch.setattr(kernel_build, "_started_workers", lambda n: [])   # the fake builds below start none
+    monkeypatch.setattr(kernel_build, "_pending", {})
+    monkeypatch.setattr(kernel_build, "_failed", set())
     return tmp_path
 
 
@@ -263,3 +267,139 @@ def test_kernels_load_in_a_thread_as_their_builds_end(cache, monkeypatch):
     assert kernel_build.counts["loaded_from_disk"] - before["loaded_from_disk"] == 3
     assert kernel_build.counts["dry_run_seconds"] > before["dry_run_seconds"]
     assert kernel_build.counts["build_seconds"] > before["build_seconds"]
+
+
+def _gated_build(built: list, gates: dict):
+    """kernel_build.build's stand-in whose build of a job waits for gates[job.factory] (an Event) where there is
+    one, then leaves the marker; a job whose factory is in gates as None fails."""
+    def build(jobs, workers, report=lambda *r: None, started=None):
+        built.append(list(jobs))
+        results = []
+        for job in jobs:
+            gate = gates.get(job.factory, False)
+            if gate is None:
+                results.append((job, 0.1, "RuntimeError: nvcc failed"))
+            else:
+                if gate:
+                    assert gate.wait(20)
+                kernel_build._mark_built(job)
+                results.append((job, 0.1, None))
+            report(*results[-1])
+        return results
+    return build
+
+
+def test_a_deferred_first_call_goes_on_while_its_kernels_build(cache, monkeypatch):
+    """With defer, the first call raises KernelsBuilding once its dry run has started the builds, and so does
+    every later call that needs them, without a second dry run; resume() waits and runs the call; once built, the
+    call runs here with nothing built again."""
+    gate, built, dry_runs = threading.Event(), [], []
+    monkeypatch.setattr(kernel_build, "build", _gated_build(built, {"add_kernel": gate}))
+    add_kernel, mul_kernel = _factories([])
+
+    def call():
+        out = []
+        add_kernel(3)(out)
+        mul_kernel(3, 3)(out)
+        return out
+
+    def dry():
+        dry_runs.append(1)
+        call()
+
+    with pytest.raises(KernelsBuilding) as first:
+        kernel_build.first_call(call, dry, lambda: "H=1, HV=2", defer=True)
+    assert first.value.first and first.value.what == "H=1, HV=2" and len(dry_runs) == 1
+    with pytest.raises(KernelsBuilding) as later:
+        kernel_build.first_call(call, dry, lambda: "H=1, HV=2", defer=True)
+    assert not later.value.first and len(dry_runs) == 1
+    assert not kernel_build.wait_for_builds(timeout=0.05)   # the add kernel's build is held
+    assert kernel_build.building() == ["H=1, HV=2"] * 2     # what explain() reports of it
+    gate.set()
+    assert later.value.resume() == [4, 9]
+    assert kernel_build.wait_for_builds(timeout=20)
+    assert kernel_build.first_call(call, dry, lambda: "H=1, HV=2", defer=True) == [4, 9]
+    assert len(dry_runs) == 1 and sorted(j.factory for b in built for j in b) == ["add_kernel", "mul_kernel"]
+    assert kernel_build.building() == []
+
+
+def test_a_call_waits_for_the_whole_build_it_belongs_to(cache, monkeypatch):
+    """A training forward's dry run records its backward's kernels too: while any kernel of that build is still
+    building, a call needing only the forward's (built already) is deferred, so forward and backward switch over
+    together."""
+    gate, built = threading.Event(), []
+    monkeypatch.setattr(kernel_build, "build", _gated_build(built, {"mul_kernel": gate}))
+    add_kernel, mul_kernel = _factories([])
+
+    def forward():
+        out = []
+        add_kernel(5)(out)
+        return out
+
+    def step():   # the dry run of a training forward: the forward's kernel, then the backward's
+        forward()
+        mul_kernel(5, 5)([])
+
+    with pytest.raises(KernelsBuilding):
+        kernel_build.first_call(forward, step, lambda: "x", defer=True)
+    module = add_kernel.__module__.rsplit(".", 1)[-1]
+    deadline = time.monotonic() + 20
+    while not kernel_build.is_built(Job(module, "add_kernel", (5, 1))):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(KernelsBuilding):   # its own kernel is built, the backward's is not
+        kernel_build.first_call(forward, step, lambda: "x", defer=True)
+    gate.set()
+    assert kernel_build.wait_for_builds(timeout=20)
+    assert kernel_build.first_call(forward, step, lambda: "x", defer=True) == [6]
+
+
+def test_a_kernel_whose_build_failed_is_compiled_by_the_call(cache, monkeypatch, capsys):
+    """A failed build is not retried by every later call (no build loop, no endless stand-in): the next call
+    compiles the kernel itself, where its error, if any, is raised."""
+    compiled, built = [], []
+    monkeypatch.setattr(kernel_build, "build", _gated_build(built, {"add_kernel": None}))
+    add_kernel, _ = _factories(compiled)
+
+    def call():
+        out = []
+        add_kernel(6)(out)
+        return out
+
+    with pytest.raises(KernelsBuilding):
+        kernel_build.first_call(call, call, lambda: "x", defer=True)
+    assert kernel_build.wait_for_builds(timeout=20)
+    assert "failed (RuntimeError: nvcc failed)" in capsys.readouterr().err
+    assert kernel_build.first_call(call, call, lambda: "x", defer=True) == [7]
+    assert len(built) == 1 and compiled == [("add_kernel", 6, 1)]
+
+
+def test_a_call_that_waits_for_another_calls_build_builds_the_rest_in_parallel(cache, monkeypatch):
+    """A call that waits (no stand-in) for a build started by another call, whose kernels cover only part of its
+    own (an inference call's build, then a training call), then builds what it still lacks through workers, not
+    one after another inside the call."""
+    gate, built = threading.Event(), []
+    monkeypatch.setattr(kernel_build, "build", _gated_build(built, {"add_kernel": gate}))
+    add_kernel, mul_kernel = _factories([])
+
+    def inference():
+        out = []
+        add_kernel(8)(out)
+        return out
+
+    def training():
+        out = inference()
+        mul_kernel(8, 2)(out)
+        return out
+
+    with pytest.raises(KernelsBuilding):
+        kernel_build.first_call(inference, inference, lambda: "x", defer=True)
+    result = []
+    waiting = threading.Thread(target=lambda: result.append(kernel_build.first_call(training, training, lambda: "y")))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()   # waiting for the inference call's build
+    gate.set()
+    waiting.join(20)
+    assert result == [[9, 16]]
+    assert [[j.factory for j in b] for b in built] == [["add_kernel"], ["mul_kernel"]]

@@ -54,16 +54,29 @@ class TileLangSM90Backend(Backend):
             if cu is None else seqlayout.sequence_layout(cu)
         if layout.n_chunks == 0:
             return "no tokens: nothing to launch"
+        from .kernel_build import building
         gpu = machine.gpu(problem.device_index)
         resources = plan.Resources(gpu.sm_count if gpu else 0, machine.has_package("triton"))
-        return plan.plan(problem, layout, resources, config.current()).describe()
+        described = plan.plan(problem, layout, resources, config.current()).describe()
+        under_way = building()
+        if under_way:
+            names = ", ".join(sorted(set(under_way)))
+            described += (f"\nkernels: {len(under_way)} building in the background ({names}); until they are "
+                          f"built, calls that need them run on a stand-in (GDNKIT_STAND_IN)")
+        return described
 
-    def chunk_forward(self, problem: Problem, inputs: GDNInputs):
+    def chunk_forward_unless_building(self, problem: Problem, inputs: GDNInputs):
+        """The forward, or KernelsBuilding while the kernels it needs (for training, its backward's too) build in
+        worker processes (kernel_build.first_call)."""
+        return self.chunk_forward(problem, inputs, defer=True)
+
+    def chunk_forward(self, problem: Problem, inputs: GDNInputs, *, defer: bool = False):
+        """defer: raise KernelsBuilding rather than wait for kernels being built (chunk_forward_unless_building)."""
         from ..triton_shared.recurrence import repair_nonfinite_chunks
         from .forward import forward
         from .kernel_build import first_call
         o, ht, saved = first_call(lambda: forward(problem, inputs), lambda: _every_launch(problem, inputs),
-                                  lambda: _what(problem))
+                                  lambda: _what(problem), defer=defer)
         repair_nonfinite_chunks(problem, inputs, o)   # a non-finite input reaches no earlier token (semantics.md)
         return o, ht, saved
 

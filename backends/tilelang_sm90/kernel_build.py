@@ -12,12 +12,16 @@ new head configuration needs ~15 of them, which one process used to compile one 
   values only ever feed values, never addresses). A training forward's dry run takes its backward too (with and
   without a final-state gradient), so one build serves the whole step. Each kernel the dry run asks for that has
   no marker starts building at once, in a worker process (all cores by default; GDNKIT_BUILD_WORKERS), while the
-  dry run goes on to the Triton compiles after it; one progress line on stderr. Then the call runs for real: its
-  kernels load from the disk cache. Up to PRESTARTED workers are started when the first NotBuilt is raised, so
-  their start (an interpreter importing torch and TileLang, seconds) runs beside the dry run. After the dry run, a
-  thread of the calling process (idle but for waiting) imports TileLang and loads each kernel as its build ends, and
-  the recorded kernels already on disk at once: a load elaborates the kernel's program and opens its library (~1 s),
-  so only the last kernel's load is left after the build.
+  dry run goes on to the Triton compiles after it; one progress line on stderr. Then the call waits for the builds
+  and runs for real, its kernels loaded from the disk cache; or, called with defer (an auto-dispatched forward:
+  Backend.chunk_forward_unless_building), it raises KernelsBuilding at once and the caller runs a stand-in backend
+  (triton_generic) while the builds go on in the background; so does every later call that needs a kernel of that
+  build until the whole build has ended (a training step switches over forward and backward together, never a
+  forward here with a backward still building). Up to PRESTARTED workers are started when the first NotBuilt is
+  raised, so their start (an interpreter importing torch and TileLang, seconds) runs beside the dry run. After the
+  dry run, a thread of the calling process (idle but for waiting) imports TileLang and loads each kernel as its
+  build ends, and the recorded kernels already on disk at once: a load elaborates the kernel's program and opens its
+  library (~1 s), so only the last kernel's load is left after the build.
 - Every compile holds a file lock on its kernel's marker: two threads or processes that want the same kernel
   build it once; the second finds the marker and loads.
 
@@ -57,7 +61,12 @@ class Job(NamedTuple):
 
 
 class NotBuilt(Exception):
-    """Raised by a factory inside first_call's first attempt: this kernel would compile now."""
+    """Raised by a factory inside first_call's first attempt: this kernel would compile now, or a build this
+    process started is still building it."""
+
+    def __init__(self, job: Job):
+        super().__init__(str(job))
+        self.job = job
 
 
 def _workers_from_environment() -> int:
@@ -87,12 +96,15 @@ _loaded: set[Job] = set()             # kernels this process holds (compiled or 
 # What this process did: kernels built by worker processes (and their compile seconds, summed), kernels a call
 # compiled itself (no marker: a capture, a single worker, or one a dry run missed) and kernels loaded from disk;
 # and where its first calls' time went, summed over them: the dry runs, the builds (from the dry run's end to the
-# last kernel built) and the loads left after the builds.
+# last kernel built), the loads left after the builds, and the time calls waited for a build to end (resume: a
+# call with no stand-in, or a backward).
 counts = {"built_by_workers": 0, "worker_seconds": 0.0, "compiled_in_call": 0, "loaded_from_disk": 0,
-          "dry_run_seconds": 0.0, "build_seconds": 0.0, "load_wait_seconds": 0.0}
+          "dry_run_seconds": 0.0, "build_seconds": 0.0, "load_wait_seconds": 0.0, "resume_wait_seconds": 0.0}
 # Every factory by (module, name): what a Job names, for loading it ahead of its call (_Preloader).
 _FACTORIES: dict[tuple[str, str], Callable] = {}
-_build_lock = threading.Lock()        # one parallel build at a time in a process (threads wait, then find markers)
+_build_lock = threading.Lock()        # one dry run at a time in a process; guards _pending and _failed
+_pending: dict[Job, "_Build"] = {}    # kernels a build this process started is building, until all of its end
+_failed: set[Job] = set()             # kernels whose build failed: a call compiles them itself (and says why)
 
 
 _NOTHING = (None, None)
@@ -111,11 +123,13 @@ def kernel_factory(fn: Callable) -> Callable:
 
     def obtain(job: Job):
         """job's kernel: held, else loaded from disk or compiled (under its marker's lock), once per process."""
+        # A kernel of a build still under way counts as missing even where it is built already: a training
+        # forward must not run here while its backward's kernels are still building.
+        if _mode.mode == _STRICT and (job in _pending or (job not in _loaded and not is_built(job))):
+            raise NotBuilt(job)
         built_by, kernel = by_job.get(job, _NOTHING)
         if built_by is factory.uncached:
             return kernel
-        if _mode.mode == _STRICT and job not in _loaded and not is_built(job):
-            raise NotBuilt(str(job))
         build = factory.uncached
         with _marker_lock(job):
             built_by, kernel = by_job.get(job, _NOTHING)
@@ -249,40 +263,117 @@ def _marker_lock(job: Job):
 
 # ---- the first call ----
 
-def first_call(call: Callable, dry_run: Callable[[], None], what: Callable[[], str]):
+def first_call(call: Callable, dry_run: Callable[[], None], what: Callable[[], str], defer: bool = False):
     """call(), with the kernels it needs that no process has built built first, in parallel (module doc). dry_run
     makes every launch the call can make (for a training forward, its backward's too); what() names the call in
-    the progress line (asked only when something is built: every call passes here)."""
+    the progress line (asked only when something is built: every call passes here). defer: where kernels the
+    call needs are being built (by this call's dry run or an earlier call's), raise KernelsBuilding at once (its
+    resume() waits for them and runs the call) instead of waiting."""
     if WORKERS < 2 or _mode.mode is not None or _capturing():
         return call()
     _mode.mode = _STRICT
     try:
         return call()
-    except NotBuilt:
-        pass
+    except NotBuilt as missing:
+        job = missing.job
     finally:
         _mode.mode = None
-    started = _started_workers(min(WORKERS, PRESTARTED))   # they import while the dry run runs
-    preloader = _Preloader()
-    builds = _Builds(what, started, preloader.built)
     with _build_lock:
+        build = _pending.get(job)
+        started_here = build is None and job not in _failed
+        if started_here:
+            build = _Build.start(dry_run, what)
+    if build is None:   # the dry run found every kernel built meanwhile, or this one failed to build before
+        return call()
+    resume = functools.partial(_resume, build, call, dry_run, what)
+    if not defer:
+        return resume()
+    from gdnkit.dispatch import KernelsBuilding
+    raise KernelsBuilding(build.what, resume, first=started_here)
+
+
+def _resume(build: "_Build", call: Callable, dry_run: Callable[[], None], what: Callable[[], str]):
+    """call() once `build` has ended, through first_call again: a kernel the call needs that another call's build
+    did not cover (a training call meeting an inference call's build) is built in parallel too, not compiled in
+    the call."""
+    begun = time.monotonic()
+    build.done.wait()
+    counts["resume_wait_seconds"] += time.monotonic() - begun
+    return first_call(call, dry_run, what)
+
+
+def building() -> list[str]:
+    """What each kernel being built in the background belongs to (its build's progress-line name), one entry a
+    kernel: empty when nothing is being built."""
+    with _build_lock:
+        return [build.what for build in _pending.values()]
+
+
+def wait_for_builds(timeout: float | None = None) -> bool:
+    """Waits for every build this process has started (first calls that ran on a stand-in meanwhile) to end;
+    False where `timeout` seconds passed first."""
+    with _build_lock:
+        builds = set(_pending.values())
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return all(b.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for b in builds)
+
+
+class _Build:
+    """The kernels one first call's dry run found unbuilt, built in worker processes and loaded into this process
+    by a thread of it (`_Builds`, `_Preloader`), while the call that started them and any later one that needs
+    them runs elsewhere or waits (`_resume`). Its kernels stay in _pending until the last of them is built."""
+
+    def __init__(self, what: str, jobs: list[Job]):
+        self.what, self.jobs = what, jobs
+        self.done = threading.Event()
+
+    @classmethod
+    def start(cls, dry_run: Callable[[], None], what: Callable[[], str]) -> "_Build | None":
+        """Runs the dry run (the caller holds _build_lock) and starts building what it found unbuilt; None where
+        it found nothing to build."""
+        started = _started_workers(min(WORKERS, PRESTARTED))   # they import while the dry run runs
+        preloader = _Preloader()
+        builds = _Builds(what, started, preloader.built)
         try:
             begun = time.monotonic()
             jobs = recorded_jobs(dry_run, builds.record)
             counts["dry_run_seconds"] += time.monotonic() - begun
             # started after the dry run, which would otherwise share the interpreter with its imports
             preloader.start([j for j in jobs if j not in builds.submitted and j not in _loaded and is_built(j)])
-            begun = time.monotonic()
+        except BaseException:
+            builds.finish()
+            for process in started:
+                _stop(process)
+            preloader.finish()
+            raise
+        submitted = [j for j in jobs if j in builds.submitted]
+        build = cls(builds.what if submitted else "", submitted)
+        if not submitted:
+            build._finish(builds, started, preloader)
+            return None
+        for job in submitted:
+            _pending[job] = build
+        threading.Thread(target=build._finish, args=(builds, started, preloader), daemon=True,
+                         name="gdnkit-kernel-build-finish").start()
+        return build
+
+    def _finish(self, builds: "_Builds", started: list, preloader: "_Preloader") -> None:
+        begun = time.monotonic()
+        try:
             builds.finish()
             counts["build_seconds"] += time.monotonic() - begun
         finally:
-            builds.finish()
             for process in started:   # those no job needed
                 _stop(process)
             begun = time.monotonic()
             preloader.finish()
             counts["load_wait_seconds"] += time.monotonic() - begun
-    return call()
+            with _build_lock:
+                for job in self.jobs:
+                    _pending.pop(job, None)
+                    if not is_built(job):
+                        _failed.add(job)
+            self.done.set()
 
 
 class _Builds:
@@ -298,12 +389,16 @@ class _Builds:
         self.submitted: set[Job] = set()
         self._progress: _Progress | None = None
 
+    @functools.cached_property
+    def what(self) -> str:
+        return self._what()
+
     def record(self, job: Job) -> None:
         if job in self.submitted or job in _loaded or is_built(job):
             return
         self.submitted.add(job)
         if self._progress is None:
-            self._progress = _Progress(self._what())
+            self._progress = _Progress(self.what)
         self._progress.add()
         thread = threading.Thread(target=self._build, args=(job,), name="gdnkit-kernel-build", daemon=True)
         self._threads.append(thread)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from gdnkit import api as _api
+from gdnkit import autograd as _autograd
 from gdnkit.problem import CHUNK_MODE, RECURRENT_MODE
 
 # Order of the tensor arguments, and of the gradients the backward op returns.
@@ -56,7 +57,7 @@ def _define(mode: str):
             **_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
                        allow_neg_eigval, state_v_first, cu_seqlens))
         # (the problem's form: a short-sequence chunked call may run token by token, dispatch.short_sequences)
-        o, ht, _ = (chosen.chunk_forward if problem.mode == CHUNK_MODE else chosen.recurrent_forward)(problem, inputs)
+        _, o, ht, _ = _autograd.forward(chosen, problem, inputs, backend)
         return o, (_no_state(v) if ht is None else ht)
 
     @forward.register_fake
@@ -83,11 +84,11 @@ def _define(mode: str):
             mode, q, k, v, g, beta, scale, initial_state, output_final_state, backend, needs_grad=True,
             **_options(use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel,
                        allow_neg_eigval, state_v_first, cu_seqlens))
-        run_forward = chosen.chunk_forward if problem.mode == CHUNK_MODE else chosen.recurrent_forward
-        run_backward = chosen.chunk_backward if problem.mode == CHUNK_MODE else chosen.recurrent_backward
         dht = dht if output_final_state and dht is not None and dht.numel() else None
         with _autograd_inside_op():
-            _, _, saved = run_forward(problem, inputs)
+            # the backward of the backend that ran the forward (a stand-in while the chosen one builds kernels)
+            ran, _, _, saved = _autograd.forward(chosen, problem, inputs, backend)
+            run_backward = ran.chunk_backward if problem.mode == CHUNK_MODE else ran.recurrent_backward
             grads = run_backward(problem, saved, do.contiguous(), None if dht is None else dht.contiguous())
         # Every argument gets a tensor back (an op cannot return None): zeros where the backend had none.
         return [torch.zeros_like(t) if d is None else d for t, d in _present(inputs, grads)]

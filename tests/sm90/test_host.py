@@ -680,3 +680,56 @@ def test_context_parallel_host_side_matches_the_plain_path(lengths, state, route
     assert _rel(o_cp, ref_o) < 2e-3 and _rel(ht_cp, ref_ht) < 1e-3
     assert o_cp[:, sum(lengths):].abs().max() == 0
     _assert_in_family(calls, H, HV, "float16", training=False)
+
+
+def test_a_first_call_under_auto_dispatch_goes_on_while_its_kernels_build(monkeypatch, sm90_config, tmp_path):
+    """The backend's part of the stand-in: on an empty cache, chunk_forward_unless_building raises KernelsBuilding
+    once the dry run has started the builds (held here), explain()'s plan says kernels are building, and resume()
+    waits and runs the call, with the same result as the forward run directly. The kernels are the float64
+    stand-ins; the "builds" only leave their markers."""
+    import threading
+
+    from gdnkit.backends.tilelang_sm90 import BACKEND, kernel_build
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.dispatch import KernelsBuilding
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    from test_dispatch import fake_machine
+    sm90_config(block_v=64)
+    _stand_in_forward_kernels(monkeypatch, fwd, [])
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))   # nothing built yet
+    monkeypatch.setattr(kernel_build, "WORKERS", 4)
+    monkeypatch.setattr(kernel_build, "_started_workers", lambda n: [])
+    monkeypatch.setattr(kernel_build, "_pending", {})
+    monkeypatch.setattr(kernel_build, "_failed", set())
+    monkeypatch.setattr(kernel_build, "_loaded", set())   # none held: as a fresh process (earlier tests loaded them)
+    gate, built = threading.Event(), []
+
+    def build(jobs, workers, report=lambda *r: None, started=None):
+        assert gate.wait(60)
+        for job in jobs:
+            built.append(job.factory)
+            kernel_build._mark_built(job)
+            report(job, 0.1, None)
+        return [(job, 0.1, None) for job in jobs]
+    monkeypatch.setattr(kernel_build, "build", build)
+
+    gen = torch.Generator().manual_seed(5)
+    q = F.normalize(torch.randn(1, 100, 1, K, generator=gen), dim=-1).half()
+    k = F.normalize(torch.randn(1, 100, 1, K, generator=gen), dim=-1).half()
+    v = torch.randn(1, 100, 2, V, generator=gen).half()
+    g, beta = F.logsigmoid(torch.randn(1, 100, 2, generator=gen)) * 0.2, torch.rand(1, 100, 2, generator=gen)
+    problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, output_final_state=True)
+
+    with pytest.raises(KernelsBuilding) as building:
+        BACKEND.chunk_forward_unless_building(problem, inputs)
+    assert building.value.first and building.value.what == "H=1, HV=2, float16"
+    assert "kernels: 2 building in the background (H=1, HV=2, float16)" in BACKEND.plan(
+        problem, inputs, fake_machine("hopper_sm90", "triton+tilelang"))
+    gate.set()
+    o, ht, _ = building.value.resume()
+    assert sorted(built) == ["intra_chunk_kernel", "state_output_kernel"]
+    direct_o, direct_ht, _ = fwd.forward(problem, inputs)
+    assert torch.equal(o, direct_o) and torch.equal(ht, direct_ht)
+    assert kernel_build.wait_for_builds(timeout=60) and not kernel_build.building()
+    o_again, _, _ = BACKEND.chunk_forward_unless_building(problem, inputs)   # built: runs here
+    assert torch.equal(o_again, o)
