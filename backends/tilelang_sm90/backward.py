@@ -39,7 +39,7 @@ from gdnkit.problem import GDNGrads, Problem
 from . import context_parallel, forward, lead_in
 from .group_sum import chunk_group_sums
 from .kernel_build import jitted, kernel_factory
-from .forward import TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel
+from .forward import TORCH_TO_TL, Saved, entering_states, no_walks, open_gate, propagator_kernel, untouched
 
 # the reverse pass's TMA ring depth (backward_state.py fits 2 stages at 64 columns)
 STAGES = 2
@@ -107,13 +107,13 @@ def _exact_ds_ends(problem: Problem, s: Saved, plan, do, dht, need=None, lead_in
 
 
 def _placeholder(dev: torch.device, HV: int, K: int, V: int) -> torch.Tensor:
-    """A state argument never read."""
-    return torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)
+    """A state argument never read nor written."""
+    return untouched(dev, torch.float32, 1, HV, K, V)
 
 
 def _untouched(dev: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """du, dv and dh for a ds_only pass, which declares them (1, 1, 1, 1) and never touches them."""
-    stub = torch.empty(1, 1, 1, 1, device=dev, dtype=dtype)
+    stub = untouched(dev, dtype, 1, 1, 1, 1)
     return stub, stub, stub
 
 

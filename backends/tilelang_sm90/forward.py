@@ -109,6 +109,11 @@ def _initial_states(p: Plan, plan, k, a, v, gamma, g, beta, h0, problem: Problem
 
 
 @functools.lru_cache(maxsize=16)
+# Arguments no kernel writes are made once per (device, shape) and shared by every launch: an eager call's host time
+# goes largely to small operators (docs/performance.md, "Host time of an eager call"), and a tensor nobody writes
+# can be shared across calls, streams and CUDA graphs. One made while a graph is captured holds its block of the
+# graph's pool for as long as it is kept, so it stays valid after the capture too.
+@functools.lru_cache(maxsize=16)
 def open_gate(device: torch.device, HV: int) -> torch.Tensor:
     """The gate of the propagator and the reverse pass where no lead-in decides: one row of ones, every CTA runs
     (never written)."""
@@ -119,6 +124,14 @@ def open_gate(device: torch.device, HV: int) -> torch.Tensor:
 def no_walks(device: torch.device, HV: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The walk arguments of a pass that does not walk (never read): one row of [HV] and one of [1], int32."""
     return torch.zeros(1, HV, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def untouched(device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """A tensor argument the launch neither reads nor writes (the flag that would use it is off): the 1-element
+    stand-ins of optional outputs, and [1, HV, K, V] for an absent state (a shape the kernel's declaration
+    takes)."""
+    return torch.empty(shape, device=device, dtype=dtype)
 
 
 def _lead_in_runner(p: Plan, problem: Problem, k, a, v, gamma):
@@ -214,8 +227,8 @@ def _state_pass(p: Plan, launch: StateLaunch, problem: Problem, q, k, a, v, gamm
     block_v: the V tile, else the plan's rule for the pass's program count (plan.state_block_v)."""
     H, HV, K, V = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
     dev = k.device
-    placeholder = torch.empty(1, HV, K, V, device=dev, dtype=torch.float32)  # an argument never read
-    stub = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)               # a tensor argument never touched
+    placeholder = untouched(dev, torch.float32, 1, HV, K, V)   # an absent initial or final state
+    stub = untouched(dev, k.dtype, 1, 1, 1, 1)                 # an absent output
     block_v = block_v or planner.state_block_v(launch.n, HV, p.sms, p.config, wide=o is not None and hs is None)
     emit = o is not None or block_v not in NARROW_BLOCK_V
     if o is None and emit:
@@ -285,9 +298,11 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     q, k, g, beta, stash = prologue.forward(problem, q, k, g, beta, A_log, dt_bias)
     cu = None if cu is None else layout.cu_seqlens  # the offsets the tables were built from (seqlayout's doc)
     total = B * T
-    q, k = (x.reshape(1, total, H, K).contiguous() for x in (q, k))
-    v = v.reshape(1, total, HV, V).contiguous()
-    g, beta = (x.reshape(1, total, HV).contiguous() for x in (g, beta))
+    if B != 1:   # (a batch of one is packed already: a view per tensor costs host time an eager call feels)
+        q, k = q.reshape(1, total, H, K), k.reshape(1, total, H, K)
+        v = v.reshape(1, total, HV, V)
+        g, beta = g.reshape(1, total, HV), beta.reshape(1, total, HV)
+    q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
     q, k, v = (_tma_aligned(x) for x in (q, k, v))
     if h0 is not None:
         h0 = h0.float()
@@ -306,18 +321,19 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
         a = torch.empty(1, total, HV, CHUNK, device=dev, dtype=k.dtype)
         # gamma: one row of 64 per chunk-table entry (intra_chunk.py says why not token-contiguous)
         gamma = torch.empty(HV, layout.n_chunks, CHUNK, device=dev, dtype=torch.float32)
-        tm = torch.empty(1, 1, 1, 1, device=dev, dtype=k.dtype)  # T's placeholder outside training
+        tm = untouched(dev, k.dtype, 1, 1, 1, 1)  # T's placeholder outside training
         hs = None
         if train:
             # the backward's TMA boxes read rows past cu_seqlens[-1]: zeros there, never stale NaNs
             tm = seqlayout.packed_output((1, total, HV, CHUNK), cu, device=dev, dtype=k.dtype)
-            a[:, layout.offsets[-1]:] = 0
+            if layout.offsets[-1] < total:
+                a[:, layout.offsets[-1]:] = 0
             if p.stores_states:
                 hs = torch.empty(layout.n_chunks, HV, K, V, device=dev, dtype=k.dtype)
         seg, waves, wide = p.segment_chunks, p.waves, p.wide
         # the chained and wide routes take the walks' chunk sums from the intra kernel (emit_bound)
         row_bounds = torch.empty(layout.n_chunks, HV, device=dev, dtype=torch.float32) if p.emit_bound else None
-        bound = torch.empty(1, 1, device=dev, dtype=torch.float32) if row_bounds is None else row_bounds
+        bound = untouched(dev, torch.float32, 1, 1) if row_bounds is None else row_bounds
         intra_chunk_kernel(H, HV, dt, train, row_bounds is not None)(k, g, beta, layout.cu_seqlens, chunk_table, a,
                                                                     gamma, tm, bound)
         route = None
@@ -367,7 +383,8 @@ def forward(problem: Problem, inputs: GDNInputs, intermediates: dict | None = No
     if train and layout.n_chunks:
         saved = Saved(q, k, v, g, beta, h0, a, tm, gamma, hs, states, layout, stash, A_log, dt_bias, dtypes,
                       row_bounds, p)
-    o = o.reshape(B, T, HV, V)
+    if B != 1:
+        o = o.reshape(B, T, HV, V)
     if ht is not None and problem.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     return o, ht, saved
