@@ -403,3 +403,18 @@ def test_a_call_that_waits_for_another_calls_build_builds_the_rest_in_parallel(c
     waiting.join(20)
     assert result == [[9, 16]]
     assert [[j.factory for j in b] for b in built] == [["add_kernel"], ["mul_kernel"]]
+
+
+def test_a_dry_run_that_finds_nothing_to_build_returns_to_the_call(cache, monkeypatch):
+    """The kernel the first attempt missed is not among what the dry run asks for (a dry run can miss one): the
+    call then compiles it itself, without deadlocking on the build lock the dry run ran under."""
+    compiled, built = [], []
+    monkeypatch.setattr(kernel_build, "build", _fake_build(built))
+    add_kernel, _ = _factories(compiled)
+    out = []
+    caller = threading.Thread(target=lambda: kernel_build.first_call(lambda: add_kernel(3)(out), lambda: None,
+                                                                     lambda: "x", defer=True), daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive(), "first_call never returned"
+    assert out == [4] and built == [] and compiled == [("add_kernel", 3, 1)]

@@ -341,16 +341,13 @@ class _Build:
             # started after the dry run, which would otherwise share the interpreter with its imports
             preloader.start([j for j in jobs if j not in builds.submitted and j not in _loaded and is_built(j)])
         except BaseException:
-            builds.finish()
-            for process in started:
-                _stop(process)
-            preloader.finish()
+            _end(builds, started, preloader)
             raise
         submitted = [j for j in jobs if j in builds.submitted]
-        build = cls(builds.what if submitted else "", submitted)
-        if not submitted:
-            build._finish(builds, started, preloader)
+        if not submitted:   # (the dry run missed the kernel, or another process built them all meanwhile)
+            _end(builds, started, preloader)
             return None
+        build = cls(builds.what, submitted)
         for job in submitted:
             _pending[job] = build
         threading.Thread(target=build._finish, args=(builds, started, preloader), daemon=True,
@@ -358,22 +355,31 @@ class _Build:
         return build
 
     def _finish(self, builds: "_Builds", started: list, preloader: "_Preloader") -> None:
-        begun = time.monotonic()
+        """In the background: the builds ended (`_end`), then this build's kernels released from _pending."""
         try:
-            builds.finish()
-            counts["build_seconds"] += time.monotonic() - begun
+            _end(builds, started, preloader)
         finally:
-            for process in started:   # those no job needed
-                _stop(process)
-            begun = time.monotonic()
-            preloader.finish()
-            counts["load_wait_seconds"] += time.monotonic() - begun
             with _build_lock:
                 for job in self.jobs:
                     _pending.pop(job, None)
                     if not is_built(job):
                         _failed.add(job)
             self.done.set()
+
+
+def _end(builds: "_Builds", started: list, preloader: "_Preloader") -> None:
+    """Waits for the builds, stops the started workers no job took and waits for the preloader's last load. Takes
+    no lock: it also runs inside _Build.start, whose caller holds _build_lock."""
+    begun = time.monotonic()
+    try:
+        builds.finish()
+        counts["build_seconds"] += time.monotonic() - begun
+    finally:
+        for process in started:   # those no job needed
+            _stop(process)
+        begun = time.monotonic()
+        preloader.finish()
+        counts["load_wait_seconds"] += time.monotonic() - begun
 
 
 class _Builds:
