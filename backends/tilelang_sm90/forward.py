@@ -108,7 +108,6 @@ def _initial_states(p: Plan, plan, k, a, v, gamma, g, beta, h0, problem: Problem
     return s0, route, None
 
 
-@functools.lru_cache(maxsize=16)
 # Arguments no kernel writes are made once per (device, shape) and shared by every launch: an eager call's host time
 # goes largely to small operators (docs/performance.md, "Host time of an eager call"), and a tensor nobody writes
 # can be shared across calls, streams and CUDA graphs. One made while a graph is captured holds its block of the
