@@ -8,7 +8,10 @@ states, the qk l2norm, gate and beta options, training (forward + backward), con
 sequences at few heads: segments), a NaN input (the causal repair of its chunk), and for triton_generic the fused
 recurrent decode with a state pool (1-D and 2-D slot indices, padding rows). One case per process is what lets
 initcheck, which checks every load, finish: the test runs the cases side by side.
-Prints one line per case and `WORKLOAD DONE` at the end; a sanitizer error is reported by the tool itself.
+Prints one line per case and `WORKLOAD DONE` at the end; a sanitizer error is reported by the tool itself. Each
+case also prints `RANGE name 0xSTART 0xEND` for every output it got (o, the final state, each gradient) and the
+case `tma-store-probe` (tilelang_sm90) for its two destinations: tests/sanitizer_reports.py attributes initcheck's
+reports to them.
 """
 from __future__ import annotations
 
@@ -54,6 +57,28 @@ _CHUNKED = {
 }
 
 
+def print_range(name: str, t: torch.Tensor | None, row: int = 0) -> None:
+    """`RANGE name 0xSTART 0xEND [ROW]` for the device bytes t holds: one line for a contiguous tensor, else one per
+    contiguous piece (its rows, recursively). ROW: bytes a token, where given (a report then names its token)."""
+    if t is None or t.numel() == 0:
+        return
+    if not t.is_contiguous():
+        for piece in t:
+            print_range(name, piece, row)
+        return
+    start = t.data_ptr()
+    print(f"RANGE {name} {start:#x} {start + t.numel() * t.element_size():#x}{f' {row}' if row else ''}", flush=True)
+
+
+def _print_outputs(o, ht, call: dict) -> None:
+    token_bytes = lambda t: t.stride(1) * t.element_size() if t is not None and t.dim() == 4 else 0  # noqa: E731
+    print_range("o", o, token_bytes(o))
+    print_range("final_state", ht)
+    for name, t in call.items():
+        if isinstance(t, torch.Tensor):
+            print_range(f"grad:{name}", t.grad, token_bytes(t.grad))
+
+
 def _chunked(name: str, backend: str) -> None:
     lengths, H, HV, training, options = _CHUNKED[name]
     call = _inputs(lengths, H, HV, grad=training)
@@ -61,6 +86,7 @@ def _chunked(name: str, backend: str) -> None:
         o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend, **options)
         if training:
             (o.float().square().sum() + ht.square().sum()).backward()
+    _print_outputs(o, ht, call)
 
 
 def _gate_and_beta_options(backend: str) -> None:
@@ -71,6 +97,7 @@ def _gate_and_beta_options(backend: str) -> None:
     o, _ = gdnkit.chunk_gated_delta_rule(**call, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                          use_beta_sigmoid_in_kernel=True, backend=backend)
     o.float().square().sum().backward()
+    _print_outputs(o, None, dict(call, A_log=A_log, dt_bias=dt_bias))
 
 
 def _nan_input(backend: str) -> None:
@@ -78,7 +105,45 @@ def _nan_input(backend: str) -> None:
     with torch.inference_mode():
         call = _inputs((100, 150), 2, 8)
         call["v"][0, 130, 3, 5] = float("nan")
-        gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
+        o, ht = gdnkit.chunk_gated_delta_rule(**call, output_final_state=True, backend=backend)
+    _print_outputs(o, ht, {})
+
+
+def tma_store_probe_program(R: int = 64, C: int = 64):
+    """One tile of src into shared memory, then out to dst [R, 2, C]: value head 0 by the threads, value head 1 by
+    a TMA tensor store (cp.async.bulk.tensor), the store the state pass uses for a full chunk of o."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def tma_store_probe(src: T.Tensor((R, C), "bfloat16"), dst: T.Tensor((R, 2, C), "bfloat16")):
+        with T.Kernel(1, threads=128):
+            s = T.alloc_shared((R, C), "bfloat16")
+            for r, c in T.Parallel(R, C):
+                s[r, c] = src[r, c]
+            for r, c in T.Parallel(R, C):
+                dst[r, 0, c] = s[r, c]
+            T.fence_proxy_async()
+            T.tma_copy(s, dst[0:R, 1, 0:C])
+            T.tma_store_wait(0)
+
+    return tma_store_probe
+
+
+def _tma_store_probe(backend: str) -> None:
+    """Whether initcheck sees writes made by TMA stores: both halves of dst are written (checked here), then read by
+    torch, each half on its own (`RANGE by-threads` / `by-tma`, every second 128-byte row of dst)."""
+    import tilelang
+
+    kernel = tilelang.compile(tma_store_probe_program(), target={"kind": "cuda", "arch": "sm_90a"},
+                              pass_configs={tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True})
+    src = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
+    dst = torch.empty(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kernel(src, dst)
+    torch.cuda.synchronize()
+    halves = {"by-threads": dst[:, 0], "by-tma": dst[:, 1]}
+    for name, half in halves.items():
+        assert torch.equal(half.contiguous(), src), f"the probe's {name} half differs from its source"
+        print_range(name, half)
 
 
 def decode(backend: str) -> None:
@@ -103,7 +168,8 @@ def decode(backend: str) -> None:
 CASES = {**{name: (lambda backend, name=name: _chunked(name, backend), None) for name in _CHUNKED},
          "gate-and-beta-options": (_gate_and_beta_options, None),
          "nan-input": (_nan_input, None),
-         "decode": (decode, ("triton_generic",))}
+         "decode": (decode, ("triton_generic",)),
+         "tma-store-probe": (_tma_store_probe, ("tilelang_sm90",))}
 
 
 def cases_for(backend: str) -> list[str]:

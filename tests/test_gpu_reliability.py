@@ -228,7 +228,7 @@ raw = dict(q=F.normalize(rnd(1, T, H, K), dim=-1), k=F.normalize(rnd(1, T, H, K)
 h0 = rnd(len(lengths), HV, K, V) * 0.1
 call = {n: (t.to("cuda", torch.bfloat16) if n in "qkv" else t.cuda()) for n, t in raw.items()}
 rel = lambda x, r: float((x.detach().double().cpu() - r.detach()).norm() / r.detach().norm())
-leaves = {n: t.double().requires_grad_() for n, t in call.items()}
+leaves = {n: t.cpu().double().requires_grad_() for n, t in call.items()}   # the rounded inputs, on the CPU
 h0_leaf = h0.double().requires_grad_()
 ref_o, ref_ht, _ = oracle.run(**leaves, initial_state=h0_leaf, output_final_state=True, cu_seqlens=cu.cpu())
 (ref_o.square().sum() + ref_ht.sum()).backward()

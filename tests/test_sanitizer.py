@@ -4,7 +4,13 @@ synccheck (barrier misuse), initcheck (reads of device memory nothing wrote). Ma
 instruments every launch; run them side by side (`-n 8`): one case is what keeps initcheck within its limit. Each
 case runs once unsanitized first, so the sanitized run loads built kernels and checks the call itself.
 
-GDNKIT_SANITIZER_LOGS=<dir> keeps each run's output there (benchmarks/results/<gpu>/sanitizer.md records them).
+initcheck cannot see every store on Hopper: the workload's `tma-store-probe` case writes one half of a tensor by
+TMA tensor store and the other by threads, and where initcheck then reports the reads of the first half, a
+tilelang_sm90 case passes with reports only if each one reads an output of the call (tests/sanitizer_reports.py
+attributes them), bytes that test_gpu_reliability.py's `test_every_output_is_written_by_the_kernels` shows the
+kernels write in full (every buffer poisoned first). A read of any other memory fails it.
+
+GDNKIT_SANITIZER_LOGS=<dir> keeps each run's output there (benchmarks/results/<gpu>/reliability.md records them).
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import sys
 import pytest
 import torch
 
+from sanitizer_reports import parse, table   # tests/ is on sys.path
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,8 +33,9 @@ WORKLOAD = pathlib.Path(__file__).with_name("sanitizer_workload.py")
 TOOLS = ["memcheck", "racecheck", "synccheck", "initcheck"]
 # initcheck: torch's caching allocator hands out memory it never wrote (by design); only reads count, and
 # only of memory a kernel was given, which --track-unused-memory does not change.
+# initcheck prints every report (--print-limit 0), without backtraces, so each one can be attributed.
 TOOL_ARGS = {"memcheck": ["--leak-check", "no"], "racecheck": ["--racecheck-report", "hazard"],
-             "synccheck": [], "initcheck": []}
+             "synccheck": [], "initcheck": ["--print-limit", "0", "--show-backtrace", "no"]}
 
 
 def _runs() -> list[tuple[str, str]]:
@@ -54,19 +63,20 @@ def _built_first(backend: str, case: str) -> None:
     _BUILT.add((backend, case))
 
 
-@pytest.mark.parametrize("backend,case", _runs() or [("none", "none")])
-@pytest.mark.parametrize("tool", TOOLS)
-def test_compute_sanitizer_clean(tool, backend, case):
-    if backend == "none":
-        pytest.skip("no GPU backend on this machine")
+def _exe() -> str:
     exe = shutil.which("compute-sanitizer") or next(
         (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
     if exe is None:
         pytest.skip("compute-sanitizer is not installed")
-    # --report-api-errors no: torch and Triton probe the driver's entry points (cuGetProcAddress) and expect some
-    # lookups to fail; those are API return codes, not kernel errors, and would count in the summary.
+    return exe
+
+
+def _sanitized(tool: str, backend: str, case: str) -> tuple[str, int]:
+    """The run's output (stdout and stderr) and exit code. --report-api-errors no: torch and Triton probe the
+    driver's entry points (cuGetProcAddress) and expect some lookups to fail; those are API return codes, not
+    kernel errors, and would count in the summary."""
     _built_first(backend, case)
-    cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--report-api-errors", "no", *TOOL_ARGS[tool],
+    cmd = [_exe(), "--tool", tool, "--error-exitcode", "99", "--report-api-errors", "no", *TOOL_ARGS[tool],
            sys.executable, str(WORKLOAD), backend, case]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     out = run.stdout + run.stderr
@@ -75,8 +85,44 @@ def test_compute_sanitizer_clean(tool, backend, case):
         pathlib.Path(logs).mkdir(parents=True, exist_ok=True)
         pathlib.Path(logs, f"{tool}-{backend}-{case}.log").write_text(out)
     assert "WORKLOAD DONE" in out, out[-4000:]
+    return out, run.returncode
+
+
+_BLIND: list[bool] = []
+
+
+def _initcheck_misses_tma_stores() -> bool:
+    """The probe under initcheck: whether it reports reads of the TMA-stored half (never of the threads')."""
+    if not _BLIND:
+        log = parse(_sanitized("initcheck", "tilelang_sm90", "tma-store-probe")[0].splitlines())
+        read = {where for _, where in log.attributed()}
+        assert "by-threads" not in read, table(log)
+        _BLIND.append("by-tma" in read)
+    return _BLIND[0]
+
+
+@pytest.mark.parametrize("backend,case", _runs() or [("none", "none")])
+@pytest.mark.parametrize("tool", TOOLS)
+def test_compute_sanitizer_clean(tool, backend, case):
+    if backend == "none":
+        pytest.skip("no GPU backend on this machine")
+    if case == "tma-store-probe":
+        if tool != "initcheck":
+            pytest.skip("the probe is for initcheck")
+        _initcheck_misses_tma_stores()
+        return
+    out, rc = _sanitized(tool, backend, case)
     # memcheck, synccheck, initcheck: "ERROR SUMMARY: n errors"; racecheck: "RACECHECK SUMMARY: n hazards displayed
     # (e errors, w warnings)"
     summary = re.search(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", out)
     assert summary is not None, out[-4000:]
-    assert int(summary.group(1) or summary.group(2)) == 0 and run.returncode == 0, out[-6000:]
+    errors = int(summary.group(1) or summary.group(2))
+    if errors and tool == "initcheck" and backend == "tilelang_sm90":
+        log = parse(out.splitlines())
+        assert len(log.reports) == errors, f"{errors} reported, {len(log.reports)} parsed:\n{out[-3000:]}"
+        assert _initcheck_misses_tma_stores(), f"initcheck sees TMA stores here, so these reads are real:\n{table(log)}"
+        outputs = {"o", "final_state"}
+        unexplained = {where for _, where in log.attributed() if where not in outputs and not where.startswith("grad:")}
+        assert not unexplained, table(log)
+        return
+    assert errors == 0 and rc == 0, out[-6000:]
