@@ -100,14 +100,17 @@ def parse(lines: Iterable[str]) -> Log:
 def table(log: Log) -> str:
     """Count, reader and range of the reports (with the tokens read, where the range gives them), then every kind
     of report the log holds."""
-    tokens = collections.defaultdict(set)
+    tokens, sizes = collections.defaultdict(set), collections.defaultdict(set)
     for r in log.reports:
+        key = r.reader, log.range_of(r.address) or "unnamed memory"
+        sizes[key].add(r.size)
         if (t := log.token_of(r.address)) is not None:
-            tokens[r.reader, log.range_of(r.address)].add(t)
+            tokens[key].add(t)
     rows = []
     for (reader, where), n in log.attributed().most_common():
         read = sorted(tokens.get((reader, where), ()))
-        rows.append(f"{n:>8}  {reader[:100]}  ->  {where}" + (f" tokens {read[:16]}" if read else ""))
+        rows.append(f"{n:>8}  {reader[:100]}  ->  {where}, bytes {sorted(sizes[reader, where])}"
+                    + (f", tokens {read[:16]}" if read else ""))
     kinds = [f"{n:>8}  kind: {h[:120]}" for h, n in log.headers.most_common(8)]
     return "\n".join([f"errors {log.errors}, reports parsed {len(log.reports)}", *rows, *kinds])
 

@@ -35,7 +35,7 @@ def test_reports_are_attributed_to_the_printed_ranges():
     assert log.range_of(0x7F0000001000) == "o" and log.range_of(0x7F0000002000) is None   # end excluded
     assert log.range_of(0x7F0000009000) == "by-tma"   # a range printed after the reports still counts
     assert log.token_of(0x7F0000001FF0) == 3 and log.token_of(0x7F0000004010) is None   # grad:q gave no row size
-    assert "unnamed memory" in table(log) and "tokens [3]" in table(log)
+    assert "unnamed memory" in table(log) and "bytes [16], tokens [3]" in table(log)
     assert log.headers["Uninitialized __global__ memory read of size N bytes"] == 2
 
 
