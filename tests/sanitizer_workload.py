@@ -71,12 +71,13 @@ def print_range(name: str, t: torch.Tensor | None, row: int = 0) -> None:
 
 
 def _print_outputs(o, ht, call: dict) -> None:
-    token_bytes = lambda t: t.stride(1) * t.element_size() if t is not None and t.dim() == 4 else 0  # noqa: E731
+    # [1, T, heads, dim] tensors: a report in them names its token
+    token_bytes = lambda t: t.stride(1) * t.element_size() if t is not None else 0  # noqa: E731
     print_range("o", o, token_bytes(o))
     print_range("final_state", ht)
     for name, t in call.items():
         if isinstance(t, torch.Tensor):
-            print_range(f"grad:{name}", t.grad, token_bytes(t.grad))
+            print_range(f"grad:{name}", t.grad, token_bytes(t.grad) if name in ("q", "k", "v") else 0)
 
 
 def _chunked(name: str, backend: str) -> None:
