@@ -2,12 +2,14 @@
 built builds exactly those, once, in worker processes, then runs; later calls and processes load them."""
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -418,3 +420,40 @@ def test_a_dry_run_that_finds_nothing_to_build_returns_to_the_call(cache, monkey
     caller.join(20)
     assert not caller.is_alive(), "first_call never returned"
     assert out == [4] and built == [] and compiled == [("add_kernel", 3, 1)]
+
+
+def test_a_factory_launches_a_tilelang_kernel_through_its_executable(cache):
+    """A factory whose build returns a TileLang kernel (an object with a TVM-FFI adapter and no outputs) hands out
+    the kernel's executable (kernel_build.launcher) and keeps the kernel that owns it; other kernels as built."""
+    class TVMFFIKernelAdapter:   # the attributes launcher reads of TileLang's adapter of that name
+        result_idx: list = []
+
+        def __init__(self):
+            self.executable = lambda out: out.append("executable")
+
+        def _get_executable(self):
+            return self.executable
+
+    class Kernel:
+        def __init__(self):
+            self.adapter = TVMFFIKernelAdapter()
+
+        def __call__(self, out):
+            out.append("wrapper")
+
+    built = []
+
+    @kernel_build.kernel_factory
+    def tilelang_like_kernel(n: int):
+        built.append(Kernel())
+        return built[-1]
+
+    out = []
+    tilelang_like_kernel(3)(out)
+    tilelang_like_kernel(3)(out)
+    assert out == ["executable", "executable"] and len(built) == 1
+    owner = weakref.ref(built.pop())
+    gc.collect()
+    assert owner() is not None, "the factory let go of the kernel that owns the executable it hands out"
+    job = Job("test_kernel_build", "tilelang_like_kernel", (3,))
+    assert tilelang_like_kernel(3) is tilelang_like_kernel.obtain(job)

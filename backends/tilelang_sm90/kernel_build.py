@@ -114,12 +114,31 @@ def _no_launch(*args, **kwargs) -> None:
     """What a factory returns during a dry run: the call's launch does nothing."""
 
 
+def launcher(kernel):
+    """What a launch of `kernel` calls: a TileLang kernel's TVM-FFI executable itself, where TileLang's torch wrapper
+    (`JITKernel.__call__` -> the adapter's `func`) would only count the arguments and pass them on, as for every
+    kernel here: none has outputs for the wrapper to allocate (no out_idx) and the device is CUDA (the wrapper's
+    only device work is for NPUs). The wrapper is ~8 us of Python a launch on the 2-core development CPU (the
+    executable stubbed out; 0.4 us calling it directly), paid ~3 times an eager forward and ~10 times a training
+    step. Anything else (another execution backend or TileLang version without these attributes, a test's
+    stand-in) is returned as it is. The executable checks the argument count and types itself; its owner (the
+    JITKernel) must stay alive while it is used (kernel_factory keeps it)."""
+    adapter = getattr(kernel, "adapter", None)
+    get_executable = getattr(adapter, "_get_executable", None)
+    if (type(adapter).__name__ != "TVMFFIKernelAdapter" or get_executable is None
+            or getattr(adapter, "result_idx", None) != []
+            or getattr(adapter, "_ffi_callee_allocated_output_abi", False)):
+        return kernel
+    return get_executable()
+
+
 def kernel_factory(fn: Callable) -> Callable:
     """fn(*args) -> kernel, cached per arguments, recorded in dry runs and built under its marker's lock."""
     module = fn.__module__.rsplit(".", 1)[-1]
     signature = inspect.signature(fn)
     kernels: dict = {}   # the call's own arguments -> (build, kernel): what every launch after the first looks up
     by_job: dict = {}    # Job -> (build, kernel): every kernel this process holds, whoever asked for it first
+    owners: dict = {}    # Job -> what build returned, where kernel is its launcher (it owns the executable)
 
     def obtain(job: Job):
         """job's kernel: held, else loaded from disk or compiled (under its marker's lock), once per process."""
@@ -136,7 +155,9 @@ def kernel_factory(fn: Callable) -> Callable:
             if built_by is build:            # another thread of this process got it meanwhile
                 return kernel
             from_disk = is_built(job)
-            kernel = build(*job.args)
+            built = build(*job.args)
+            kernel = launcher(built)
+            owners[job] = built
             counts["loaded_from_disk" if from_disk else "compiled_in_call"] += 1
             _mark_built(job)
             by_job[job] = (build, kernel)
@@ -170,6 +191,7 @@ def kernel_factory(fn: Callable) -> Callable:
             _loaded.discard(job)
         kernels.clear()
         by_job.clear()
+        owners.clear()
 
     factory.uncached = fn            # what compiles (tests put stand-ins here, under the caching and recording)
     factory.obtain = obtain

@@ -290,3 +290,39 @@ def test_training_forward_stores_t_and_states_by_tma(kind, options, desc):
     assert f"tma_store({desc}" in src
     plain = {n: v for n, v in options.items() if n not in ("emit_t", "store_states")}
     assert desc not in _source(kind, 2, 8, "bfloat16", **plain)
+
+
+def _copy_program(out_idx: bool):
+    import tilelang.language as T
+
+    @T.prim_func
+    def copy_rows(src: T.Tensor((64, 64), "bfloat16"), dst: T.Tensor((64, 64), "bfloat16"), scale: T.float32):
+        with T.Kernel(1, threads=128):
+            for r, c in T.Parallel(64, 64):
+                dst[r, c] = src[r, c] * scale
+
+    return copy_rows
+
+
+def test_a_launch_calls_the_kernels_executable_with_the_same_arguments():
+    """kernel_build.launcher: a launch skips TileLang's torch wrapper and calls the kernel's TVM-FFI executable with
+    the arguments the wrapper would have passed it (the executable stubbed here: no GPU), for a kernel with no
+    outputs to allocate; a kernel with outputs (out_idx), or anything not a TileLang kernel, is launched as it is."""
+    import torch
+    tilelang = _tilelang()
+    from gdnkit.backends.tilelang_sm90 import kernel_build
+    target = {"kind": "cuda", "arch": "sm_90a"}
+    kernel = tilelang.compile(_copy_program(False), target=target)
+    seen = []
+    kernel.adapter.executable = lambda *args: seen.append(args)
+    launch = kernel_build.launcher(kernel)
+    assert launch is not kernel
+    src, dst = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
+    kernel(src, dst, 0.5)
+    launch(src, dst, 0.5)
+    assert len(seen) == 2 and len(seen[0]) == len(seen[1]) == 3
+    assert all(a is b or a == b for a, b in zip(*seen)), seen
+    with_output = tilelang.compile(_copy_program(True), out_idx=[1], target=target)
+    assert kernel_build.launcher(with_output) is with_output
+    stand_in = lambda *args: None  # noqa: E731
+    assert kernel_build.launcher(stand_in) is stand_in
