@@ -119,7 +119,7 @@ def test_compute_sanitizer_clean(tool, backend, case):
     errors = int(summary.group(1) or summary.group(2))
     if errors and tool == "initcheck" and backend == "tilelang_sm90":
         log = parse(out.splitlines())
-        assert len(log.reports) == errors, f"{errors} reported, {len(log.reports)} parsed:\n{out[-3000:]}"
+        assert len(log.reports) == errors, f"{errors} reported, {len(log.reports)} parsed:\n{table(log)}"
         assert _initcheck_misses_tma_stores(), f"initcheck sees TMA stores here, so these reads are real:\n{table(log)}"
         outputs = {"o", "final_state"}
         unexplained = {where for _, where in log.attributed() if where not in outputs and not where.startswith("grad:")}
