@@ -40,8 +40,9 @@ def floor_gate(g: torch.Tensor) -> torch.Tensor:
 
 
 def floor_gate_backward(g: torch.Tensor, dg: torch.Tensor) -> torch.Tensor:
-    """dg w.r.t. floor_gate's input g from dg w.r.t. its output: zero where g was below the floor (or NaN)."""
-    return torch.where(g >= GATE_FLOOR, dg, torch.zeros((), dtype=dg.dtype, device=dg.device))
+    """dg w.r.t. floor_gate's input g from dg w.r.t. its output: zero where g was below the floor (or NaN). (A Python
+    0.0 keeps dg's dtype and, on a GPU, saves the launch a zero tensor would cost an eager backward.)"""
+    return torch.where(g >= GATE_FLOOR, dg, 0.0)
 
 
 def beta_activation(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:
