@@ -109,7 +109,7 @@ def test_plan_in_explain():
     """The backend's plan as explain() shows it, from the layout, the heads and the SM count alone (a machine
     given as data; no GPU, no kernel): 2/8 with one sequence of 32768 tokens on 132 SMs takes the wide route in
     16 segments of 32 chunks, its backward the fused kernel in those segments (4096 chunks x heads, each program
-    32 chunks, within 1.6x the SMs' even share of 31), the staged path where the Config says so."""
+    32 chunks, within 2.0x the SMs' even share of 31), the staged path where the Config says so."""
     from gdnkit.backends.tilelang_sm90 import BACKEND, config
     from gdnkit.dispatch import Decision
     from gdnkit.dispatch.machine import GPU, Machine
