@@ -4,11 +4,13 @@ synccheck (barrier misuse), initcheck (reads of device memory nothing wrote). Ma
 instruments every launch; run them side by side (`-n 8`): one case is what keeps initcheck within its limit. Each
 case runs once unsanitized first, so the sanitized run loads built kernels and checks the call itself.
 
-initcheck cannot see every store on Hopper: the workload's `tma-store-probe` case writes one half of a tensor by
-TMA tensor store and the other by threads, and where initcheck then reports the reads of the first half, a
-tilelang_sm90 case passes with reports only if each one reads an output of the call (tests/sanitizer_reports.py
-attributes them), bytes that test_gpu_reliability.py's `test_every_output_is_written_by_the_kernels` shows the
-kernels write in full (every buffer poisoned first). A read of any other memory fails it.
+Whether initcheck sees TMA stores (tilelang_sm90 stores full chunks of o that way) is checked, not assumed: the
+workload's `tma-store-probe` case writes one half of a tensor by TMA tensor store and the other by threads, and
+torch reads both. Only where initcheck reports reads of the TMA-stored half (a sanitizer blind to those stores)
+does a tilelang_sm90 case pass with reports, and then only if each one reads an output of the call
+(tests/sanitizer_reports.py attributes them), bytes that test_gpu_reliability.py's
+`test_every_output_is_written_by_the_kernels` shows the kernels write in full (every buffer poisoned first). On the
+H100's compute-sanitizer the probe is clean (initcheck sees TMA stores), so there every report fails its case.
 
 GDNKIT_SANITIZER_LOGS=<dir> keeps each run's output there (benchmarks/results/<gpu>/reliability.md records them).
 """
