@@ -135,7 +135,8 @@ def _tma_store_probe(backend: str) -> None:
     torch, each half on its own (`RANGE by-threads` / `by-tma`, every second 128-byte row of dst)."""
     import tilelang
 
-    kernel = tilelang.compile(tma_store_probe_program(), target={"kind": "cuda", "arch": "sm_90a"},
+    from gdnkit.backends.tilelang_sm90.forward import TARGET
+    kernel = tilelang.compile(tma_store_probe_program(), target=TARGET,
                               pass_configs={tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True})
     src = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
     dst = torch.empty(64, 2, 64, device="cuda", dtype=torch.bfloat16)

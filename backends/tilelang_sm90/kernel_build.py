@@ -119,7 +119,7 @@ def launcher(kernel):
     (`JITKernel.__call__` -> the adapter's `func`) would only count the arguments and pass them on, as for every
     kernel here: none has outputs for the wrapper to allocate (no out_idx) and the device is CUDA (the wrapper's
     only device work is for NPUs). The wrapper is ~8 us of Python a launch on the 2-core development CPU (the
-    executable stubbed out; 0.4 us calling it directly), paid ~3 times an eager forward and ~10 times a training
+    executable stubbed out; 0.4 us calling it directly: docs/performance.md, host time), paid ~3 times an eager forward and ~10 times a training
     step. Anything else (another execution backend or TileLang version without these attributes, a test's
     stand-in) is returned as it is. The executable checks the argument count and types itself; its owner (the
     JITKernel) must stay alive while it is used (kernel_factory keeps it)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import STATIC_SHARED, _assert_hopper_paths, _dynamic_shared_bytes, _element_loops_with_barriers, _kernel, _ptxas_report, _source, _tilelang
+from .helpers import SM90, STATIC_SHARED, _assert_hopper_paths, _dynamic_shared_bytes, _element_loops_with_barriers, _kernel, _ptxas_report, _source, _tilelang
 
 
 # What one block may use on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / H200: 227 KB), and what a kernel
@@ -292,7 +292,7 @@ def test_training_forward_stores_t_and_states_by_tma(kind, options, desc):
     assert desc not in _source(kind, 2, 8, "bfloat16", **plain)
 
 
-def _copy_program(out_idx: bool):
+def _copy_program():
     import tilelang.language as T
 
     @T.prim_func
@@ -311,8 +311,7 @@ def test_a_launch_calls_the_kernels_executable_with_the_same_arguments():
     import torch
     tilelang = _tilelang()
     from gdnkit.backends.tilelang_sm90 import kernel_build
-    target = {"kind": "cuda", "arch": "sm_90a"}
-    kernel = tilelang.compile(_copy_program(False), target=target)
+    kernel = tilelang.compile(_copy_program(), target=SM90)
     seen = []
     kernel.adapter.executable = lambda *args: seen.append(args)
     launch = kernel_build.launcher(kernel)
@@ -322,7 +321,7 @@ def test_a_launch_calls_the_kernels_executable_with_the_same_arguments():
     launch(src, dst, 0.5)
     assert len(seen) == 2 and len(seen[0]) == len(seen[1]) == 3
     assert all(a is b or a == b for a, b in zip(*seen)), seen
-    with_output = tilelang.compile(_copy_program(True), out_idx=[1], target=target)
+    with_output = tilelang.compile(_copy_program(), out_idx=[1], target=SM90)
     assert kernel_build.launcher(with_output) is with_output
     stand_in = lambda *args: None  # noqa: E731
     assert kernel_build.launcher(stand_in) is stand_in
