@@ -2,9 +2,9 @@
 outputs (tests/sanitizer_workload.py prints `RANGE name 0xSTART 0xEND` for each).
 
 initcheck reports a read of device memory that nothing it saw has written. It sees the threads' stores and the
-copy engines', but the probe case `tma-store-probe` checks whether it sees TMA stores (cp.async.bulk.tensor, what
-tilelang_sm90's state pass uses for a full chunk of o): where it does not, every later read of TMA-stored bytes is
-reported although they were written. tests/test_sanitizer.py uses this module to tell those reads from real ones.
+copy engines', and some TMA tensor stores (cp.async.bulk.tensor) but not all: the probe cases `tma-store-probe*`
+check which (tests/test_sanitizer.py). Where it misses a kernel's TMA stores, every later read of those bytes is
+reported although they were written; tests/test_sanitizer.py uses this module to tell those reads from real ones.
 
 Run as `python tests/sanitizer_reports.py LOG [LOG ...]` for a table per log: count, reader, range read.
 """
@@ -26,6 +26,9 @@ _HOST_AT = re.compile(r"Uninitialized access at (0x[0-9a-f]+) on access by (.+?)
 _RANGE = re.compile(r"^RANGE (\S+) (0x[0-9a-f]+) (0x[0-9a-f]+)(?: (\d+))?\s*$")
 _HEADER = re.compile(r"^=+ (\S.*?)\s*$")   # a report's first line (its details are indented further)
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+# the device-side record buffer filled: later reports of that launch are dropped unprinted, and each of these
+# notices counts as one error in the summary
+_OVERFLOW = re.compile(r"Error buffer overflow has been detected")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Log:
     ranges: list[tuple[int, int, str, int]]   # (start, end, name, bytes a token or 0), sorted by start
     errors: int | None                        # the tool's ERROR SUMMARY count
     headers: collections.Counter = dataclasses.field(default_factory=collections.Counter)   # every report's kind
+    overflows: int = 0                        # buffer-overflow notices (some reports were dropped unprinted)
 
     def _find(self, address: int):
         i = bisect.bisect_right(self.ranges, (address, float("inf"), "", 0)) - 1
@@ -72,11 +76,13 @@ def _kernel_name(at: str) -> str:
 
 def parse(lines: Iterable[str]) -> Log:
     """The reports, ranges and error count in a sanitizer run's output (stdout and stderr together)."""
-    reports, ranges, errors, headers = [], [], None, collections.Counter()
+    reports, ranges, errors, headers, overflows = [], [], None, collections.Counter(), 0
     pending = None   # ("device", size, reader) until its Address line
     for line in lines:
         if (h := _HEADER.match(line)) and not h.group(1).startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY")):
             headers[re.sub(r"0x[0-9a-f]+|\d+", "N", h.group(1))] += 1
+        if _OVERFLOW.search(line):
+            overflows += 1
         if m := _RANGE.match(line):
             ranges.append((int(m.group(2), 16), int(m.group(3), 16), m.group(1), int(m.group(4) or 0)))
         elif m := _DEVICE.search(line):
@@ -94,7 +100,7 @@ def parse(lines: Iterable[str]) -> Log:
         elif m := _SUMMARY.search(line):
             errors = int(m.group(1))
     ranges.sort()
-    return Log(reports, ranges, errors, headers)
+    return Log(reports, ranges, errors, headers, overflows)
 
 
 def table(log: Log) -> str:
@@ -112,7 +118,8 @@ def table(log: Log) -> str:
         rows.append(f"{n:>8}  {reader[:100]}  ->  {where}, bytes {sorted(sizes[reader, where])}"
                     + (f", tokens {read[:16]}" if read else ""))
     kinds = [f"{n:>8}  kind: {h[:120]}" for h, n in log.headers.most_common(8)]
-    return "\n".join([f"errors {log.errors}, reports parsed {len(log.reports)}", *rows, *kinds])
+    dropped = f", {log.overflows} buffer overflows (reports dropped)" if log.overflows else ""
+    return "\n".join([f"errors {log.errors}, reports parsed {len(log.reports)}{dropped}", *rows, *kinds])
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ recurrent decode with a state pool (1-D and 2-D slot indices, padding rows). One
 initcheck, which checks every load, finish: the test runs the cases side by side.
 Prints one line per case and `WORKLOAD DONE` at the end; a sanitizer error is reported by the tool itself. Each
 case also prints `RANGE name 0xSTART 0xEND` for every output it got (o, the final state, each gradient) and the
-case `tma-store-probe` (tilelang_sm90) for its two destinations: tests/sanitizer_reports.py attributes initcheck's
-reports to them.
+probe cases `tma-store-probe*` (tilelang_sm90) for their two destinations: tests/sanitizer_reports.py attributes
+initcheck's reports to them.
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def _nan_input(backend: str) -> None:
 
 def tma_store_probe_program(R: int = 64, C: int = 64):
     """One tile of src into shared memory, then out to dst [R, 2, C]: value head 0 by the threads, value head 1 by
-    a TMA tensor store (cp.async.bulk.tensor), the store the state pass uses for a full chunk of o."""
+    a TMA tensor store (cp.async.bulk.tensor), the store the state pass uses for a full chunk of o. C: the tile's
+    columns, as the state pass's V tile (32 or 64: 64- or 128-byte rows, each with its own shared-memory swizzle)."""
     import tilelang.language as T
 
     @T.prim_func
@@ -130,16 +131,61 @@ def tma_store_probe_program(R: int = 64, C: int = 64):
     return tma_store_probe
 
 
-def _tma_store_probe(backend: str) -> None:
-    """Whether initcheck sees writes made by TMA stores: both halves of dst are written (checked here), then read by
-    torch, each half on its own (`RANGE by-threads` / `by-tma`, every second 128-byte row of dst)."""
+def tma_store_probe_4d_program(R: int = 64, C: int = 32):
+    """The state pass's own store of a full chunk, in its form: two warpgroups with their registers moved by
+    setmaxnreg (the first gives them back and idles, as the state pass's TMA producer), the second writes a tile of
+    R tokens x C columns into shared memory and stores it by T.copy (lowered to a TMA store issued by one elected
+    thread) into a [1, tokens, heads, V] tensor at value head 1 and the second V tile (columns C to 2C); the same
+    threads write value head 0's tile themselves."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def tma_store_probe_4d(src: T.Tensor((R, C), "bfloat16"), dst: T.Tensor((1, R, 2, 2 * C), "bfloat16")):
+        with T.Kernel(1, threads=256):
+            s = T.alloc_shared((R, C), "bfloat16")
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(40, 0)
+            else:
+                T.set_max_nreg(232, 1)
+                for r, c in T.Parallel(R, C):
+                    s[r, c] = src[r, c]
+                for r, c in T.Parallel(R, C):
+                    dst[0, r, 0, C + c] = s[r, c]
+                T.copy(s, dst[0, 0:R, 1, C:2 * C])
+
+    return tma_store_probe_4d
+
+
+def _tma_store_probe_4d(backend: str, columns: int = 32) -> None:
+    """As _tma_store_probe, for tma_store_probe_4d_program compiled with the state pass's pass configs."""
+    import tilelang
+
+    from gdnkit.backends.tilelang_sm90 import state_output_narrow
+    from gdnkit.backends.tilelang_sm90.forward import TARGET
+    kernel = tilelang.compile(tma_store_probe_4d_program(C=columns), target=TARGET,
+                              pass_configs=state_output_narrow.PASS_CONFIGS)
+    src = torch.randn(64, columns, device="cuda").to(torch.bfloat16)
+    dst = torch.empty(1, 64, 2, 2 * columns, device="cuda", dtype=torch.bfloat16)
+    kernel(src, dst)
+    torch.cuda.synchronize()
+    halves = {"by-threads": dst[0, :, 0, columns:], "by-tma": dst[0, :, 1, columns:]}
+    for name, half in halves.items():
+        assert torch.equal(half.contiguous(), src), f"the probe's {name} half differs from its source"
+        print_range(name, half)
+
+
+def _tma_store_probe(backend: str, columns: int = 64) -> None:
+    """Whether initcheck sees writes made by TMA stores of `columns`-wide tiles: both halves of dst are written
+    (checked here), then read by torch, each half on its own (`RANGE by-threads` / `by-tma`, every second row of
+    dst)."""
     import tilelang
 
     from gdnkit.backends.tilelang_sm90.forward import TARGET
-    kernel = tilelang.compile(tma_store_probe_program(), target=TARGET,
+    kernel = tilelang.compile(tma_store_probe_program(C=columns), target=TARGET,
                               pass_configs={tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True})
-    src = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
-    dst = torch.empty(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(64, columns, device="cuda").to(torch.bfloat16)
+    dst = torch.empty(64, 2, columns, device="cuda", dtype=torch.bfloat16)
     kernel(src, dst)
     torch.cuda.synchronize()
     halves = {"by-threads": dst[:, 0], "by-tma": dst[:, 1]}
@@ -171,7 +217,9 @@ CASES = {**{name: (lambda backend, name=name: _chunked(name, backend), None) for
          "gate-and-beta-options": (_gate_and_beta_options, None),
          "nan-input": (_nan_input, None),
          "decode": (decode, ("triton_generic",)),
-         "tma-store-probe": (_tma_store_probe, ("tilelang_sm90",))}
+         "tma-store-probe": (_tma_store_probe, ("tilelang_sm90",)),
+         "tma-store-probe-32": (lambda backend: _tma_store_probe(backend, 32), ("tilelang_sm90",)),
+         "tma-store-probe-4d": (_tma_store_probe_4d, ("tilelang_sm90",))}
 
 
 def cases_for(backend: str) -> list[str]:

@@ -239,6 +239,24 @@ def test_launch_settings_do_not_change_numbers():
     assert rel(outs[0][0], outs[1][0]) < 1e-6 and rel(outs[0][1], outs[1][1]) < 1e-6
 
 
+@pytest.mark.parametrize("pool_dtype, v_first, warps", [(torch.float32, False, 4), (torch.float32, True, 4),
+                                                        (torch.bfloat16, False, 2), (torch.bfloat16, True, 4)])
+def test_state_tile_warps_follow_the_state_dtype_and_layout(pool_dtype, v_first, warps, monkeypatch):
+    """A 128 x 64 state tile takes 2 warps for a 16-bit pool stored [K, V], else 4 (launch_config's H100 sweep);
+    the wrapper hands launch_config the pool's element size and layout, and a dense state (made fp32) 4 bytes."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.triton_generic import fused_recurrent
+    from gdnkit.backends.triton_shared.recurrence import launch_config
+    assert launch_config(128, 128, 64 * 64, pool_dtype.itemsize, v_first) == (64, warps)
+    seen = []
+    monkeypatch.setattr(fused_recurrent, "launch_config", lambda *a: seen.append(a) or launch_config(*a))
+    call = make_call(1, 1, 2, 16, 16, B=2, state_v_first=v_first)
+    triton_run(dict(call, initial_state=make_pool(3, 2, 16, 16, v_first=v_first, dtype=pool_dtype),
+                    ssm_state_indices=torch.tensor([2, 0])))
+    triton_run(dict(call, initial_state=make_pool(2, 2, 16, 16, v_first=v_first, dtype=pool_dtype)))
+    assert seen == [(16, 16, 4, pool_dtype.itemsize, v_first), (16, 16, 4, 4, v_first)]
+
+
 # ---------------------------------------------------------------- validation of the serving arguments
 def _base(**kw):
     call = make_call(2, 1, 2, 8, 8, B=3, device="cpu")

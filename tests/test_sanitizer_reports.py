@@ -42,3 +42,16 @@ def test_reports_are_attributed_to_the_printed_ranges():
 def test_a_clean_run_has_no_reports():
     log = parse(["========= COMPUTE-SANITIZER", "RANGE o 0x10 0x20", "========= ERROR SUMMARY: 0 errors"])
     assert log.errors == 0 and log.reports == [] and not log.attributed()
+
+
+def test_buffer_overflow_notices_are_counted_apart_from_the_reports():
+    """A launch that fills initcheck's record buffer gets its reports dropped after a notice; the summary counts
+    each notice as an error (initcheck's H100 runs: 257 errors for 256 reports and one notice)."""
+    lines = LOG.replace("========= ERROR SUMMARY: 3 errors\n", "").splitlines() + [
+        "========= Warning: Error buffer overflow has been detected. Some records have been dropped",
+        "========= 40 errors were skipped (error buffer overflow).",
+        "========= ERROR SUMMARY: 4 errors"]
+    log = parse(lines)
+    assert len(log.reports) == 3 and log.overflows == 1 and log.errors == len(log.reports) + log.overflows
+    assert "1 buffer overflows (reports dropped)" in table(log)
+    assert parse(LOG.splitlines()).overflows == 0

@@ -226,19 +226,25 @@ def recurrent_kernel(
                 p_tail += HV * V
 
 
-def launch_config(K: int, V: int, n_heads_total: int) -> tuple[int, int]:
-    """(BV, num_warps) for a K x V state and N*HV (sequence, head) pairs.
+def launch_config(K: int, V: int, n_heads_total: int, state_bytes: int = 4, v_first: bool = False) -> tuple[int, int]:
+    """(BV, num_warps) for a K x V state of state_bytes an element (4: fp32, 2: bf16/fp16), stored [K, V] or
+    (v_first) [V, K], and N*HV (sequence, head) pairs.
 
     Measured on the H200 (benchmarks/results/h200/results.md, decode; K = V = 128): a 128 x 64 fp32 tile over 4
     warps (64 state registers a thread, 16-byte row loads) moved the state at 3.77-3.93 TB/s where
     128 x 32 reached 3.65-3.75; 1 warp per 128 x 16 tile was fastest at B=1 (4.2 us), where only the
     spread over SMs matters. Small batches go narrower until ~512 programs cover the 132 SMs.
+    A 16-bit state stored [K, V] takes 2 warps a 128 x 64 tile: on the H100 (benchmarks/results/h100/
+    decode-tiles.md) 4 warps were 3-5% slower at 16/64 B=64, 16/32 B=256 and 2/8 B=256, where [V, K] and fp32
+    tiles ran within 1% either way.
     """
     BK = next_power_of_2(K)
     BV = max(8, min(next_power_of_2(V), 8192 // BK))
     while BV > 8 and n_heads_total * cdiv(V, BV) < 512:
         BV //= 2
     num_warps = 4 if BK * BV >= 8192 else (2 if BK * BV >= 4096 else 1)
+    if state_bytes == 2 and not v_first and num_warps == 4:
+        num_warps = 2
     return BV, num_warps
 
 
