@@ -5,6 +5,8 @@ their meaning is decided in exactly one place.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -39,10 +41,17 @@ def floor_gate(g: torch.Tensor) -> torch.Tensor:
     return g.clamp_min(GATE_FLOOR)
 
 
+@functools.lru_cache(maxsize=16)
+def _zero(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-dim zero on `device`, never written: torch.where turns a Python scalar into a new device tensor each call,
+    one fill launch that an eager backward felt (H100 profile, benchmarks/results/h100/host-time.md). Made once per
+    device and dtype; one made during a CUDA-graph capture keeps its block of the graph's pool while kept."""
+    return torch.zeros((), device=device, dtype=dtype)
+
+
 def floor_gate_backward(g: torch.Tensor, dg: torch.Tensor) -> torch.Tensor:
-    """dg w.r.t. floor_gate's input g from dg w.r.t. its output: zero where g was below the floor (or NaN). (A Python
-    0.0 keeps dg's dtype and, on a GPU, saves the launch a zero tensor would cost an eager backward.)"""
-    return torch.where(g >= GATE_FLOOR, dg, 0.0)
+    """dg w.r.t. floor_gate's input g from dg w.r.t. its output: zero where g was below the floor (or NaN)."""
+    return torch.where(g >= GATE_FLOOR, dg, _zero(dg.device, dg.dtype))
 
 
 def beta_activation(beta: torch.Tensor, allow_neg_eigval: bool) -> torch.Tensor:

@@ -473,3 +473,17 @@ def test_the_repair_compiles_without_launching_in_a_dry_run(monkeypatch):
     (wgrid, wargs, wkw), (lgrid, largs, lkw) = kernel.warmed[0], kernel.launched[0]
     assert wgrid == lgrid and wkw == lkw and len(wargs) == len(largs)
     assert all(a is b for a, b in zip(wargs, largs)) and wkw["REPAIR"] is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_floor_gate_backward_zeroes_below_the_floor_and_at_nan(dtype):
+    """The gate floor's backward passes dg where g >= GATE_FLOOR, gives 0 below it and at a NaN g (dg NaN there
+    too), in dg's dtype; its shared zero stays zero after a call whose result is written in place."""
+    from gdnkit.prep import GATE_FLOOR, floor_gate_backward
+    g = torch.tensor([0.0, -1.0, GATE_FLOOR, GATE_FLOOR - 1e-3, -float("inf"), float("nan"), -1e4], dtype=dtype)
+    dg = torch.tensor([1.5, -2.0, 3.0, 4.0, 5.0, float("nan"), float("nan")], dtype=dtype)
+    out = floor_gate_backward(g, dg)
+    assert out.dtype == dtype
+    assert out.tolist() == [1.5, -2.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+    out.fill_(7.0)
+    assert floor_gate_backward(g, dg).tolist() == [1.5, -2.0, 3.0, 0.0, 0.0, 0.0, 0.0]
