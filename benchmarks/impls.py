@@ -102,25 +102,36 @@ class GdnkitImpl(Impl):
                           initial_state=inp.initial_state, output_final_state=output_final_state,
                           cu_seqlens=inp.cu_seqlens, **call_options())
 
+    @staticmethod
+    def k_last(h0: torch.Tensor) -> bool:
+        """Whether this implementation's pool keeps each state [V, K] (state_v_first): for 16-bit states, the layout
+        FlashInfer's decode and verify take, so both move the same bytes in the same order (an H100 sweep,
+        benchmarks/results/h100/decode-tiles.md: 94.4 us [V, K] against 100.1 [K, V] at 16/64 B=64). fp32 states
+        stay [K, V], FLA's layout."""
+        return h0.dtype != torch.float32
+
     def decode(self, inp):
         import gdnkit
-        if inp.initial_state.dtype == torch.float32:
+        h0 = inp.initial_state
+        if not self.k_last(h0):
             return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
-                              initial_state=inp.initial_state, output_final_state=True,
-                              cu_seqlens=inp.cu_seqlens, **call_options())
-        # a 16-bit state: this implementation's own pool of the batch's states, updated in place
-        pool, slots = self._once(inp, lambda i: (i.initial_state.clone(), torch.arange(
+                              initial_state=h0, output_final_state=True, cu_seqlens=inp.cu_seqlens, **call_options())
+        # a 16-bit state: this implementation's own pool of the batch's states, [V, K] each, updated in place
+        pool, slots = self._once(inp, lambda i: (i.initial_state.transpose(-1, -2).contiguous(), torch.arange(
             i.initial_state.shape[0], device=i.initial_state.device, dtype=torch.int32)))
-        return self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
-                          initial_state=pool, ssm_state_indices=slots, **call_options())
+        o, _ = self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
+                          initial_state=pool, ssm_state_indices=slots, state_v_first=True, **call_options())
+        return o, pool.transpose(-1, -2)
 
-    @staticmethod
-    def verify_pool(inp: ChunkInputs):
+    @classmethod
+    def verify_pool(cls, inp: ChunkInputs):
         """(pool of B*T slots, [B, T] slots, accepted = 1): sequence n reads slot n*T (its state) and writes token
         t's state to slot n*T + t, so a call moves what a verify moves; token 0's state replaces the state read
-        (the serving call's in-place pool), which later calls then start from."""
+        (the serving call's in-place pool), which later calls then start from. Each slot [V, K] where k_last."""
         B, T = inp.q.shape[:2]
         h0 = inp.initial_state
+        if cls.k_last(h0):
+            h0 = h0.transpose(-1, -2)
         pool = torch.empty(B * T, *h0.shape[1:], device=h0.device, dtype=h0.dtype)
         pool[::T] = h0
         slots = torch.arange(B * T, device=h0.device, dtype=torch.int32).view(B, T)
@@ -129,10 +140,12 @@ class GdnkitImpl(Impl):
     def mtp(self, inp):
         import gdnkit
         pool, slots, accepted = self._once(inp, self.verify_pool)
+        k_last = self.k_last(inp.initial_state)
         o, _ = self._wrap(gdnkit.fused_recurrent_gated_delta_rule, inp.q, inp.k, inp.v, inp.g, inp.beta,
                           initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=accepted,
-                          **call_options())
-        return o, pool.view(*slots.shape, *pool.shape[1:])
+                          state_v_first=k_last, **call_options())
+        states = pool.view(*slots.shape, *pool.shape[1:])
+        return o, states.transpose(-1, -2) if k_last else states
 
 
 class AnchorImpl(Impl):

@@ -239,7 +239,7 @@ def markdown(rows: list[dict], details: dict) -> str:
             "is faster). `*`: anchor figure reused from an earlier run (anchor_same_run = false). "
             "Backward is (forward+backward) - forward, both with autograd on. Decode bandwidth counts "
             "the state read and written once, in its dtype (a bf16 pool is updated in place by each "
-            "implementation that takes one).", ""]
+            "implementation that takes one, each state stored [V, K] for gdnkit as for FlashInfer).", ""]
     if "cpu" in gpus:
         out += ["CPU rows come from the `tiny` grid (K = V = 16, host wall time): a smoke test of the "
                 "harness, not a result.", ""]

@@ -579,8 +579,8 @@ def test_flashinfer_adapter_converts_to_its_conventions_and_back(monkeypatch):
 
 def test_bf16_state_decode_updates_each_implementations_own_pool(monkeypatch):
     """--state-dtype bfloat16: decode states in bf16, which gdnkit updates in a pool of its own in place (the
-    serving call), equal to the fp32-state call on the same values within bf16; FLA, which takes no pool, is
-    skipped; rows and files say the state dtype."""
+    serving call), each state stored [V, K] as FlashInfer's, and returned [K, V] as a view; equal to the fp32-state
+    call on the same values within bf16; FLA, which takes no pool, is skipped; rows and files say the state dtype."""
     monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "bfloat16")
     point = Point("decode", 1, 2, (1,) * 3, B=3, K=16, V=16)
     inp = inputs.make_point_inputs(point, "cpu")
@@ -591,14 +591,20 @@ def test_bf16_state_decode_updates_each_implementations_own_pool(monkeypatch):
     (ours,) = impls.resolve("gdnkit:reference", "cpu")
     o, pool = ours.decode(inp)
     assert pool.dtype == torch.bfloat16 and torch.equal(inp.initial_state, h0)   # the harness's state untouched
+    assert pool.shape == h0.shape and pool.transpose(-1, -2).is_contiguous()       # stored [V, K]
     monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "float32")
     dense = dataclasses.replace(inp, initial_state=h0.float())
     o32, h32 = ours.decode(dense)
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
     assert rel(o, o32) < 1e-2 and rel(pool, h32) < 1e-2
     monkeypatch.setenv(inputs.STATE_DTYPE_ENV, "bfloat16")
+    verify = inputs.make_decode_inputs(2, 1, 2, 16, 16, "cpu", seed=7, T=3)   # a verify on the [V, K] pool too
+    assert verify.initial_state.dtype == torch.bfloat16
+    o_v, states = ours.mtp(verify)
+    o_ref, states_ref = runner.accuracy.reference_outputs(verify, "mtp")
+    assert states.shape == (2, 3, 2, 16, 16) and rel(o_v, o_ref) < 1e-2 and rel(states, states_ref) < 1e-2
     _, pool2 = ours.decode(inp)
-    assert pool2 is pool                                                          # one pool, updated in place
+    assert pool2.data_ptr() == pool.data_ptr() and not torch.equal(pool2, h0)   # one pool, updated in place
     assert impls.FlaImpl().skip_reason(point) == impls.FlaImpl.NO_POOL and impls.FlaImpl().skip_reason(
         Point("fwd", 1, 2, (8,), K=16, V=16)) is None
     decode_only = Grid("small-decode", (SMALL.points[-1],), accuracy_seqlens=(1, 5), accuracy_decode_B=2)
