@@ -112,8 +112,8 @@ def _nan_input(backend: str) -> None:
 
 def tma_store_probe_program(R: int = 64, C: int = 64):
     """One tile of src into shared memory, then out to dst [R, 2, C]: value head 0 by the threads, value head 1 by
-    a TMA tensor store (cp.async.bulk.tensor), the store the state pass uses for a full chunk of o. C: the tile's
-    columns, as the state pass's V tile (32 or 64: 64- or 128-byte rows, each with its own shared-memory swizzle)."""
+    a TMA tensor store (cp.async.bulk.tensor) from a plain kernel. C: the tile's columns, as the state pass's V tile
+    (32 or 64: 64- or 128-byte rows, each with its own shared-memory swizzle)."""
     import tilelang.language as T
 
     @T.prim_func
@@ -157,41 +157,40 @@ def tma_store_probe_4d_program(R: int = 64, C: int = 32):
     return tma_store_probe_4d
 
 
-def _tma_store_probe_4d(backend: str, columns: int = 32) -> None:
-    """As _tma_store_probe, for tma_store_probe_4d_program compiled with the state pass's pass configs."""
+def _run_tma_store_probe(program, pass_configs: dict, columns: int, dst_shape: tuple, halves) -> None:
+    """Compiles a probe program, runs it from a random [64, columns] bf16 tile into an empty dst of dst_shape,
+    checks that both halves of dst (halves(dst): {"by-threads": ..., "by-tma": ...}) hold the tile, then has torch
+    read each half on its own and prints its `RANGE` lines, which tests/sanitizer_reports.py attributes initcheck's
+    reports to."""
     import tilelang
 
-    from gdnkit.backends.tilelang_sm90 import state_output_narrow
     from gdnkit.backends.tilelang_sm90.forward import TARGET
-    kernel = tilelang.compile(tma_store_probe_4d_program(C=columns), target=TARGET,
-                              pass_configs=state_output_narrow.PASS_CONFIGS)
+    kernel = tilelang.compile(program, target=TARGET, pass_configs=pass_configs)
     src = torch.randn(64, columns, device="cuda").to(torch.bfloat16)
-    dst = torch.empty(1, 64, 2, 2 * columns, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty(dst_shape, device="cuda", dtype=torch.bfloat16)
     kernel(src, dst)
     torch.cuda.synchronize()
-    halves = {"by-threads": dst[0, :, 0, columns:], "by-tma": dst[0, :, 1, columns:]}
-    for name, half in halves.items():
+    for name, half in halves(dst).items():
         assert torch.equal(half.contiguous(), src), f"the probe's {name} half differs from its source"
         print_range(name, half)
 
 
 def _tma_store_probe(backend: str, columns: int = 64) -> None:
-    """Whether initcheck sees writes made by TMA stores of `columns`-wide tiles: both halves of dst are written
-    (checked here), then read by torch, each half on its own (`RANGE by-threads` / `by-tma`, every second row of
-    dst)."""
+    """Whether initcheck sees writes made by TMA stores of `columns`-wide tiles from a plain kernel
+    (tma_store_probe_program: the two halves are every second row of dst)."""
     import tilelang
+    _run_tma_store_probe(tma_store_probe_program(C=columns),
+                         {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}, columns, (64, 2, columns),
+                         lambda dst: {"by-threads": dst[:, 0], "by-tma": dst[:, 1]})
 
-    from gdnkit.backends.tilelang_sm90.forward import TARGET
-    kernel = tilelang.compile(tma_store_probe_program(C=columns), target=TARGET,
-                              pass_configs={tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True})
-    src = torch.randn(64, columns, device="cuda").to(torch.bfloat16)
-    dst = torch.empty(64, 2, columns, device="cuda", dtype=torch.bfloat16)
-    kernel(src, dst)
-    torch.cuda.synchronize()
-    halves = {"by-threads": dst[:, 0], "by-tma": dst[:, 1]}
-    for name, half in halves.items():
-        assert torch.equal(half.contiguous(), src), f"the probe's {name} half differs from its source"
-        print_range(name, half)
+
+def _tma_store_probe_4d(backend: str, columns: int = 32) -> None:
+    """As _tma_store_probe, for the state pass's own form of the store (tma_store_probe_4d_program), compiled with
+    the state pass's pass configs."""
+    from gdnkit.backends.tilelang_sm90 import state_output_narrow
+    _run_tma_store_probe(tma_store_probe_4d_program(C=columns), state_output_narrow.PASS_CONFIGS, columns,
+                         (1, 64, 2, 2 * columns),
+                         lambda dst: {"by-threads": dst[0, :, 0, columns:], "by-tma": dst[0, :, 1, columns:]})
 
 
 def decode(backend: str) -> None:
