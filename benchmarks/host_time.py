@@ -111,12 +111,15 @@ def _runtime_events(fn, repeats: int, device: torch.device) -> dict:
 
 
 def _profile(fn, repeats: int, top: int = 25) -> tuple[list[dict], dict]:
-    """cProfile over `repeats` calls: the `top` functions by own time, and LAYERS' cumulative times (us a call)."""
+    """cProfile over `repeats` calls: the `top` functions by own time, and LAYERS' cumulative times (us a call).
+    The autograd engine runs a CUDA backward on its own device thread, where cProfile sees nothing (its whole time
+    would show as run_backward's own): here it runs in the calling thread."""
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(repeats):
-        fn()
-    profiler.disable()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        for _ in range(repeats):
+            fn()
+        profiler.disable()
     stats = pstats.Stats(profiler).stats
     functions = []
     for (path, line, name), (_, calls, own, cumulative, _) in stats.items():

@@ -19,10 +19,10 @@ what a caller may rely on:
   Inference tensors (made under torch.inference_mode) have no version counter: they are re-read every
   eager call (one sync each).
 - Writes torch cannot see (through .data, DLPack, a custom kernel) leave the host copy stale. Every
-  chunked call that uses a cached layout of a caller's CUDA tensor therefore enqueues a device-side check
-  (cu_seqlens == the layout's copy, then torch._assert_async): no sync, capturable, and it cannot be
-  fooled. A mismatch is a device-side assert, which ends the CUDA context: computing on with offsets that
-  disagree with the tensor would be silently wrong, and no gentler signal exists without a sync.
+  chunked call with a caller's CUDA cu_seqlens therefore enqueues a device-side check
+  (cu_seqlens == the layout's copy, in one Triton launch: triton_shared/offsets_check.py): no sync, capturable,
+  and it cannot be fooled. A mismatch is a device-side assert, which ends the CUDA context: computing on with
+  offsets that disagree with the tensor would be silently wrong, and no gentler signal exists without a sync.
 - While a CUDA graph is being captured nothing is read: the offsets of the tensor's last eager call are
   used (a tensor gdnkit never read raises RuntimeError), and the device check above is captured with the
   call, so a replay after the buffer's values changed asserts instead of running stale launch shapes.
@@ -144,8 +144,8 @@ def _capturing(cu_seqlens: torch.Tensor) -> bool:
     return cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _cached_offsets(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], bool]:
-    """(offsets, whether they came from the cache rather than a read now)."""
+def _cached_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's offsets: from the cache where they still hold, else read now and remembered."""
     _entries[:] = [e for e in _entries if e.memory() is not None]
     capturing = _capturing(cu_seqlens)
     version = _version(cu_seqlens)
@@ -154,13 +154,13 @@ def _cached_offsets(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], bool]:
             continue
         # While capturing nothing can be read: the last eager read is used, checked on the device.
         if capturing or (version is not None and entry.version == version):
-            return entry.offsets, True
+            return entry.offsets
     if capturing:
         raise RuntimeError("cu_seqlens is new to gdnkit while a CUDA graph is being captured: reading its offsets "
                            "would break the capture. Call once with this same tensor before capturing.")
     offsets = tuple(cu_seqlens.tolist())
     _remember(cu_seqlens, version, offsets)
-    return offsets, False
+    return offsets
 
 
 def _remember(cu_seqlens: torch.Tensor, version: int | None, offsets: tuple[int, ...]) -> None:
@@ -179,25 +179,36 @@ def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
         return own.offsets
     if _read_every_call(cu_seqlens):
         return tuple(cu_seqlens.tolist())
-    return _cached_offsets(cu_seqlens)[0]
+    return _cached_offsets(cu_seqlens)
 
 
 def sequence_layout(cu_seqlens: torch.Tensor) -> SequenceLayout:
     """The layout of a packed batch; the offsets must be valid (gdnkit.problem checks them first).
 
     Backends launch their kernels with the layout's own cu_seqlens copy, never the caller's tensor, so the
-    tables and the offsets the kernels read always agree. Where the offsets came from the cache of a caller's
-    CUDA tensor, a device-side check that the tensor still holds them is enqueued (module doc)."""
+    tables and the offsets the kernels read always agree. For a caller's CUDA tensor a device-side check that it
+    still holds the offsets is enqueued (module doc)."""
     own = _own_layout(cu_seqlens)
     if own is not None:
         return own
     if _read_every_call(cu_seqlens):
         return _layout_of(tuple(cu_seqlens.tolist()), cu_seqlens.device)
-    offsets, cached = _cached_offsets(cu_seqlens)
-    layout = _layout_of(offsets, cu_seqlens.device)
-    if cached:
-        torch._assert_async((cu_seqlens == layout.cu_seqlens).all())
+    layout = _layout_of(_cached_offsets(cu_seqlens), cu_seqlens.device)
+    # also right after a read, where it cannot fail: the eager call that read the tensor then builds the check's
+    # kernel for it (its dtype and alignment), so a CUDA-graph capture that follows never compiles one
+    _assert_offsets_agree(cu_seqlens, layout.cu_seqlens)
     return layout
+
+
+def _assert_offsets_agree(cu_seqlens: torch.Tensor, own: torch.Tensor) -> None:
+    """The device-side check of cached offsets (module doc): one Triton launch where Triton takes the tensor, else
+    torch's three (on a host tensor torch._assert_async is a plain assert)."""
+    from gdnkit.prologue import triton_reads   # (prologue imports problem, which imports this module)
+    if cu_seqlens.is_cuda and cu_seqlens.dim() == 1 and triton_reads(cu_seqlens):
+        from gdnkit.backends.triton_shared.offsets_check import assert_offsets_agree
+        assert_offsets_agree(cu_seqlens, own)
+    else:
+        torch._assert_async((cu_seqlens == own).all())
 
 
 def packed_output(shape, cu_seqlens: torch.Tensor | None, *, token_dim: int = 1, **kwargs) -> torch.Tensor:

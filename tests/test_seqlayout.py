@@ -190,3 +190,36 @@ def test_repeated_varlen_call_reads_nothing_back(segment_chunks, monkeypatch, ca
 
     assert "tolist" in call()
     assert call() == []
+
+
+_MISMATCH = """
+import sys, torch
+from gdnkit.backends.triton_shared.offsets_check import assert_offsets_agree
+n, at = int(sys.argv[1]), int(sys.argv[2])
+own = torch.arange(n, device="cuda", dtype=torch.int32) * 3
+cu = own.long()
+cu[at] += 1
+assert_offsets_agree(cu, own)
+torch.cuda.synchronize()
+print("NOT CAUGHT")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 17, 1024, 3000])   # one block, a partial one, exactly one, three with a tail
+def test_offsets_check_in_one_launch(n):
+    """triton_shared/offsets_check.py: equal offsets (int32 or int64 against the layout's int32 copy) pass; one
+    differing entry, first, in the middle or in the last partial block, ends in a device-side assert (in a
+    process of its own: the assert ends the CUDA context)."""
+    import subprocess
+    import sys
+    from gdnkit.backends.triton_shared.offsets_check import assert_offsets_agree
+    own = torch.arange(n, device="cuda", dtype=torch.int32) * 3
+    for cu in (own.clone(), own.long()):
+        assert_offsets_agree(cu, own)
+    torch.cuda.synchronize()
+    for at in sorted({0, n // 2, n - 1}) if n in (2, 3000) else ():   # each a process of its own: a few
+        run = subprocess.run([sys.executable, "-c", _MISMATCH, str(n), str(at)], capture_output=True, text=True,
+                             timeout=300)
+        assert "NOT CAUGHT" not in run.stdout
+        assert run.returncode != 0 and "device-side assert" in run.stderr + run.stdout, run.stderr[-2000:]

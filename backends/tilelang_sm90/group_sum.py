@@ -15,6 +15,8 @@ from gdnkit.prologue import l2norm_backward_fp32, triton_reads
 try:
     import triton
     import triton.language as tl
+
+    from ..triton_shared.launch import enqueue
 except ImportError:  # the torch form below serves
     triton = None
 
@@ -78,9 +80,9 @@ def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int, dtype: torch
         cu, offsets, longest = runs or (layout.cu_seqlens, layout.chunk_offsets, max(layout.chunk_counts))
         norm = (q_raw, q_rstd, k_raw, k_rstd) if l2norm is not None else (dq, dq, dq, dq)   # never read without
         for w0 in range(0, longest, _MAX_GRID_Z):   # one launch below 4.2M tokens a run
-            _chunk_group_sums_kernel[(offsets.shape[0] - 1, H, min(longest - w0, _MAX_GRID_Z))](
-                dqk, cu, offsets, dq, dk, *norm, w0, H=H, G=HV // H, C=C, K=K, L2NORM=l2norm is not None,
-                num_warps=8)
+            enqueue(_chunk_group_sums_kernel, (offsets.shape[0] - 1, H, min(longest - w0, _MAX_GRID_Z)),
+                    dqk, cu, offsets, dq, dk, *norm, w0, H=H, G=HV // H, C=C, K=K, L2NORM=l2norm is not None,
+                    num_warps=8)
     return dq, dk
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_shared.launch import enqueue
+
 CHUNK = tl.constexpr(64)  # a jit-visible global must be constexpr (the interpreter does not check it)
 
 
@@ -163,9 +165,9 @@ def _chunk_sums(starts, ends, seq_ends, before, g, k, beta, limit: int, reverse:
     n_seg = starts.shape[0]
     sums = torch.empty(n_seg, max(limit, 1), HV, dtype=torch.float64, device=g.device)
     if limit > 0 and n_seg > 0:
-        _chunk_bounds_kernel[(n_seg, limit, H)](g, k, beta, starts, ends, seq_ends, before, sums, limit, n_tok,
-                                                H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
-                                                KP=triton.next_power_of_2(K), REVERSE=reverse, num_warps=4)
+        enqueue(_chunk_bounds_kernel, (n_seg, limit, H), g, k, beta, starts, ends, seq_ends, before, sums, limit,
+                n_tok, H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H), KP=triton.next_power_of_2(K),
+                REVERSE=reverse, num_warps=4)
     return sums
 
 
@@ -186,10 +188,11 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
     if n_seg:
         by_rows = row_sums is not None
         sums = row_sums if by_rows else _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
-        _needs_kernel[(n_seg,)](sums, rows if by_rows else before, before, after, need,   # (base unread w/o ROWS)
-                                need if walk is None else walk, window, 0 if by_rows else sums.shape[1],
-                                HV=HV, HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound,
-                                WALK=walk is not None, ROWS=by_rows, num_warps=1)
+        # (base, the second argument, is unread without ROWS)
+        enqueue(_needs_kernel, (n_seg,), sums, rows if by_rows else before, before, after, need,
+                need if walk is None else walk, window, 0 if by_rows else sums.shape[1],
+                HV=HV, HVP=triton.next_power_of_2(HV), REVERSE=reverse, LOG_BOUND=log_bound,
+                WALK=walk is not None, ROWS=by_rows, num_warps=1)
     return need
 
 
@@ -207,12 +210,11 @@ def walk_lengths(t, g: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, revers
         if sums is None:
             sums = torch.empty(max(n_rows, 1), HV, dtype=torch.float64, device=g.device)
             if n_rows:
-                _row_bounds_kernel[(n_rows, H)](g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)], sums,
-                                                n_tok, H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
-                                                KP=triton.next_power_of_2(K), num_warps=4)
-        _walks_kernel[(n_seg,)](sums, t.end_rows if reverse else t.chunk_rows, t.before, t.after, walk, HV=HV,
-                                HVP=triton.next_power_of_2(HV), BM=64, REVERSE=reverse, LOG_BOUND=log_bound,
-                                num_warps=4)
+                enqueue(_row_bounds_kernel, (n_rows, H), g, k, beta, t.row_starts, t.row_ends, t.walked[int(reverse)],
+                        sums, n_tok, H=H, HV=HV, K=K, GP=triton.next_power_of_2(HV // H),
+                        KP=triton.next_power_of_2(K), num_warps=4)
+        enqueue(_walks_kernel, (n_seg,), sums, t.end_rows if reverse else t.chunk_rows, t.before, t.after, walk,
+                HV=HV, HVP=triton.next_power_of_2(HV), BM=64, REVERSE=reverse, LOG_BOUND=log_bound, num_warps=4)
     return walk
 
 
@@ -254,6 +256,6 @@ def pick_wide(walk: torch.Tensor, own: torch.Tensor, seg_cu: torch.Tensor, cu: t
     n_seg, HV = walk.shape
     wide_cu, wide_walk, plain_cu = torch.empty_like(seg_cu), torch.empty_like(walk), torch.empty_like(cu)
     choice = torch.empty((), dtype=torch.bool, device=walk.device)
-    _pick_kernel[(1,)](walk, own, seg_cu, cu, wide_cu, wide_walk, plain_cu, choice, n_seg, cu.shape[0],
-                       float(longest), float(ratio), HV=HV, HVP=triton.next_power_of_2(HV), BS=64, num_warps=4)
+    enqueue(_pick_kernel, (1,), walk, own, seg_cu, cu, wide_cu, wide_walk, plain_cu, choice, n_seg, cu.shape[0],
+            float(longest), float(ratio), HV=HV, HVP=triton.next_power_of_2(HV), BS=64, num_warps=4)
     return wide_cu, wide_walk, plain_cu, choice

@@ -7,6 +7,7 @@ import torch
 
 from gdnkit.problem import GDNInputs, Problem
 
+from ..triton_shared.launch import enqueue
 from ..triton_shared.recurrence import (READ_DENSE, READ_NONE, READ_SLOT, WRITE_DENSE, WRITE_NONE,
                                         WRITE_SLOT_FINAL, WRITE_SLOT_PER_TOKEN, launch_config, option_flags,
                                         recurrent_kernel)
@@ -61,7 +62,8 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
         return o, ht
     grid = flat_grid(cdiv(V, BV), N * HV)  # V tiles fastest, as the kernel takes its program id apart
     dummy = o  # never dereferenced: the constexpr flags compile its uses away
-    recurrent_kernel[grid](
+    enqueue(
+        recurrent_kernel, grid,
         q, k, v, g, beta,
         A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,

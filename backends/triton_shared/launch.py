@@ -17,6 +17,7 @@ import functools
 import os
 
 import torch
+from triton import knobs
 from triton.runtime.errors import OutOfResources
 
 SIXTEEN_BIT = {
@@ -77,7 +78,7 @@ def launch(kernel_name: str, dtype: torch.dtype, kernel, grid, *args, **kwargs):
     chosen = _FITTED.get(key, chosen)
     while True:
         try:
-            return kernel[grid](*args, **kwargs, **chosen)
+            return enqueue(kernel, grid, *args, **kwargs, **chosen)
         except OutOfResources:
             if chosen["num_stages"] <= 1:
                 raise
@@ -91,3 +92,52 @@ def _build_key(kernel_name: str, dtype: torch.dtype, kwargs: dict) -> tuple:
     device = torch.cuda.current_device() if torch.cuda.is_available() else -1
     build = tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (bool, int, str))))
     return kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""), build
+
+
+# Eager launches through Triton's JITFunction.run cost ~50-100 us of host time each on the H100's host (cProfile
+# of a training step, benchmarks/results/h100/host-time.md): per call it re-reads environment knobs, runs the
+# pre-run hooks, rebuilds the cache key's string and checks the kernel's globals, before the launch itself.
+# enqueue() keeps Triton's own argument binder (its specialisation on dtypes, 16-byte alignment and integer
+# values is the build's identity, so a bound build is only ever reused where Triton would reuse it) and calls the
+# compiled kernel's launcher directly. The first call of each specialisation, and every call while a launch hook
+# is installed (a profiler's), goes through kernel[grid] unchanged; Triton's environment knobs (TRITON_DEBUG, its
+# instrumentation) are read there, at a specialisation's first launch in the process.
+BOUND_LAUNCHES = os.environ.get("GDNKIT_TRITON_BOUND", "1") != "0"   # "0": every launch through kernel[grid]
+# (id of the kernel, device, specialisation, options) -> Triton's CompiledKernel for them (jit kernels are module
+# globals, alive as long as the process)
+_compiled: dict[tuple, object] = {}
+
+
+def enqueue(kernel, grid: tuple[int, ...], *args, **kwargs):
+    """kernel[grid](*args, **kwargs) with the compiled kernel looked up by Triton's own specialisation of the
+    arguments, without JITFunction.run's per-call work (module note above). Returns the compiled kernel."""
+    caches = getattr(kernel, "device_caches", None) if BOUND_LAUNCHES else None
+    if caches is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return kernel[grid](*args, **kwargs)   # the interpreter's kernels have no device caches
+    device = torch.cuda.current_device()
+    per_device = caches.get(device)   # (cache, key cache, target, backend, binder): made by the first launch
+    if per_device is None:
+        return kernel[grid](*args, **kwargs)
+    bound, specialization, options = per_device[-1](*args, **kwargs)
+    try:
+        key = (id(kernel), device, tuple(specialization), tuple(options.items()))
+        compiled = _compiled.get(key)
+    except TypeError:   # an unhashable specialisation value: Triton's own path
+        return kernel[grid](*args, **kwargs)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        _compiled[key] = compiled
+        return compiled
+    args = tuple(bound.values())
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    # no launch metadata and no hooks: both only feed hooks, and none is installed (checked above)
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+    return compiled
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed: Triton keeps an empty HookChain (its `calls`) when none is; an older
+    Triton keeps None or the hook itself."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from gdnkit.problem import GDNInputs, Problem
 
+from .launch import enqueue
 from .sizes import cdiv, flat_grid, next_power_of_2
 
 # State read: none (zeros), row n of a dense [N, ...] tensor, or a pool slot looked up in the indices.
@@ -288,7 +289,8 @@ def repair_nonfinite_chunks(problem: Problem, inputs: GDNInputs, o: torch.Tensor
     BV, warps = launch_config(K, V, N * HV)
     dummy = o  # never dereferenced: the constexpr flags compile its uses away
     grid = flat_grid(cdiv(V, BV), N * HV)
-    launch = functools.partial(recurrent_kernel.warmup, grid=grid) if compile_only else recurrent_kernel[grid]
+    launch = functools.partial(recurrent_kernel.warmup, grid=grid) if compile_only else \
+        functools.partial(enqueue, recurrent_kernel, grid)
     launch(
         q, k, v, g, beta,
         dummy if inputs.A_log is None else inputs.A_log, dummy if inputs.dt_bias is None else inputs.dt_bias,
