@@ -116,9 +116,9 @@ def enqueue(kernel, grid: tuple[int, ...], *args, **kwargs):
         return kernel[grid](*args, **kwargs)   # the interpreter's kernels have no device caches
     device = torch.cuda.current_device()
     per_device = caches.get(device)   # (cache, key cache, target, backend, binder): made by the first launch
-    if per_device is None:
+    if per_device is None or len(per_device) != 5:   # (another layout: a Triton this was not written against)
         return kernel[grid](*args, **kwargs)
-    bound, specialization, options = per_device[-1](*args, **kwargs)
+    bound, specialization, options = per_device[4](*args, **kwargs)
     try:
         key = (id(kernel), device, tuple(specialization), tuple(options.items()))
         compiled = _compiled.get(key)
