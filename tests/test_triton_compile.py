@@ -34,7 +34,7 @@ INDEX_ARGS = {"slots", "num_accepted", "parents", "ckpt", "cu_seqlens", "chunk_o
 # row flags, float64 sums, int scalars
 INT64_ARGS = {"starts", "ends", "seq_ends", "before", "after", "out", "row_starts", "row_ends", "base", "seq_of"}
 INT_SCALARS = {"slot_stride", "n_ckpt", "every", "T", "J", "limit", "n_tok", "window", "stride", "n_seg", "n_cu",
-               "w0", "n_rows", "N0", "N1", "B",   # the flat grids' logical sizes (jit_helpers.grid_2d / grid_3d) and the batch size
+               "w0", "n_rows", "N0", "N1", "B", "n",   # the flat grids' logical sizes (jit_helpers.grid_2d / grid_3d) and the batch size
                # head counts: run-time arguments of the Triton kernels (one build serves every head configuration
                # of a dtype and flag set), compiled here as a launch passes them
                "H", "HV", "T_total", "N", "stride_h0_slot", "stride_ht_slot", "stride_slots_seq", "SLOT_COLS"}
@@ -90,6 +90,8 @@ KERNELS = {
                    dict(H=4, G=2, C=64, K=128, L2NORM=False)),
     "group_sums_l2norm": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
                           dict(H=4, G=2, C=64, K=128, L2NORM=True)),
+    # the device-side check of a caller's cu_seqlens (triton_shared/offsets_check.py), built with its assert
+    "offsets_check": ("gdnkit.backends.triton_shared.offsets_check", "_offsets_agree_kernel", dict(BLOCK=1024)),
     # the qk l2norm of both backends' prologue (dy: the summed dq / dk, fp32)
     "l2norm_forward": ("gdnkit.backends.triton_shared.l2norm", "l2norm_forward_kernel", dict(K=128, BK=128, ROWS=32, EPS=1e-6)),
     "l2norm_backward": ("gdnkit.backends.triton_shared.l2norm", "l2norm_backward_kernel", dict(K=128, BK=128, ROWS=32)),
@@ -143,15 +145,18 @@ def _compile_all() -> dict:
         fn = getattr(importlib.import_module(path), function)
         sig = _signature(fn, constexprs)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        if fn.debug:   # a kernel built with debug=True (its device asserts kept), as its launches build it
+            options = {**options, "debug": True}
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", cc, 32), options=options)
 
-    results, ttgir = {}, {}
+    results, ttgir, asserts = {}, {}, {}
     for name, (module, function, constexprs) in KERNELS.items():
         for cc in CAPABILITIES:
             try:
                 compiled = build(module, function, constexprs, cc, {"num_warps": 8})
                 results[f"{name}|{cc}"] = "ok" if compiled.asm.get("cubin") else "no cubin"
+                asserts[f"{name}|{cc}"] = "__assertfail" in compiled.asm.get("ptx", "")
             except Exception as exc:  # reported per kernel by the test
                 results[f"{name}|{cc}"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
     for name, (table_name, kernel, changes) in PIPELINED.items():
@@ -162,7 +167,7 @@ def _compile_all() -> dict:
                            options["num_stages"]]
         except Exception as exc:
             ttgir[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-    return {"compiled": results, "ttgir": ttgir}
+    return {"compiled": results, "ttgir": ttgir, "asserts": asserts}
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +183,13 @@ def builds() -> dict:
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_compiles_for_gpu(builds, name, cc):
     assert builds["compiled"][f"{name}|{cc}"] == "ok", builds["compiled"][f"{name}|{cc}"]
+
+
+@pytest.mark.parametrize("cc", CAPABILITIES, ids=lambda cc: f"sm{cc}")
+def test_offsets_check_keeps_its_assert(builds, cc):
+    """The cu_seqlens check is nothing but its device assert, which Triton drops from a build without debug."""
+    assert builds["asserts"][f"offsets_check|{cc}"]
+    assert not builds["asserts"][f"wide_pick|{cc}"]   # a kernel built without debug has none: the probe can fail
 
 
 def _loop_bodies(ttgir: str) -> list[list[str]]:
