@@ -254,7 +254,26 @@ def test_state_tile_warps_follow_the_state_dtype_and_layout(pool_dtype, v_first,
     triton_run(dict(call, initial_state=make_pool(3, 2, 16, 16, v_first=v_first, dtype=pool_dtype),
                     ssm_state_indices=torch.tensor([2, 0])))
     triton_run(dict(call, initial_state=make_pool(2, 2, 16, 16, v_first=v_first, dtype=pool_dtype)))
-    assert seen == [(16, 16, 4, pool_dtype.itemsize, v_first), (16, 16, 4, 4, v_first)]
+    assert seen == [(16, 16, 4, pool_dtype.itemsize, v_first, False), (16, 16, 4, 4, v_first, False)]
+
+
+@pytest.mark.parametrize("pool_dtype, v_first, tile", [(torch.float32, False, (64, 4)), (torch.float32, True, (16, 1)),
+                                                       (torch.bfloat16, False, (32, 2)), (torch.bfloat16, True, (16, 1))])
+def test_verify_takes_narrower_state_tiles(pool_dtype, v_first, tile, monkeypatch):
+    """A verify (every token's state written) walks its tokens in a chain of stores: [V, K] states take 16 x 128
+    tiles on 1 warp, 16-bit [K, V] ones 128 x 32 on 2, fp32 [K, V] the decode tile (launch_config's H100 sweep);
+    only a call with per-token slots is a verify."""
+    pytest.importorskip("triton")
+    from gdnkit.backends.triton_generic import fused_recurrent
+    from gdnkit.backends.triton_shared.recurrence import launch_config
+    assert launch_config(128, 128, 256 * 32, pool_dtype.itemsize, v_first, per_token_states=True) == tile
+    assert launch_config(128, 128, 256 * 32, pool_dtype.itemsize, v_first) == (64, 2 if tile == (32, 2) else 4)
+    seen = []
+    monkeypatch.setattr(fused_recurrent, "launch_config", lambda *a: seen.append(a) or launch_config(*a))
+    call = make_call(3, 1, 2, 16, 16, B=2, state_v_first=v_first)
+    triton_run(dict(call, initial_state=make_pool(6, 2, 16, 16, v_first=v_first, dtype=pool_dtype),
+                    ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]])))
+    assert seen == [(16, 16, 4, pool_dtype.itemsize, v_first, True)]
 
 
 # ---------------------------------------------------------------- validation of the serving arguments

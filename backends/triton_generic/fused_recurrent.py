@@ -55,7 +55,7 @@ def fused_recurrent_forward(problem: Problem, inputs: GDNInputs, *, block_v: int
             ht = torch.empty(problem.state_shape, device=v.device, dtype=torch.float32)
 
     state_bytes = h0.element_size() if problem.serving else 4   # a pool keeps its own dtype; a dense state runs in fp32
-    BV, warps = launch_config(K, V, N * HV, state_bytes, problem.state_v_first)
+    BV, warps = launch_config(K, V, N * HV, state_bytes, problem.state_v_first, write == WRITE_SLOT_PER_TOKEN)
     BV = block_v or BV
     warps = num_warps or warps
     if N * HV == 0:

@@ -227,9 +227,11 @@ def recurrent_kernel(
                 p_tail += HV * V
 
 
-def launch_config(K: int, V: int, n_heads_total: int, state_bytes: int = 4, v_first: bool = False) -> tuple[int, int]:
+def launch_config(K: int, V: int, n_heads_total: int, state_bytes: int = 4, v_first: bool = False,
+                  per_token_states: bool = False) -> tuple[int, int]:
     """(BV, num_warps) for a K x V state of state_bytes an element (4: fp32, 2: bf16/fp16), stored [K, V] or
-    (v_first) [V, K], and N*HV (sequence, head) pairs.
+    (v_first) [V, K], and N*HV (sequence, head) pairs; per_token_states: every token's state is written (a
+    verify), not only the last.
 
     Measured on the H200 (benchmarks/results/h200/results.md, decode; K = V = 128): a 128 x 64 fp32 tile over 4
     warps (64 state registers a thread, 16-byte row loads) moved the state at 3.77-3.93 TB/s where
@@ -238,8 +240,19 @@ def launch_config(K: int, V: int, n_heads_total: int, state_bytes: int = 4, v_fi
     A 16-bit state stored [K, V] takes 2 warps a 128 x 64 tile: on the H100 (benchmarks/results/h100/
     decode-tiles.md) 4 warps were 3-5% slower at 16/64 B=64, 16/32 B=256 and 2/8 B=256, where [V, K] and fp32
     tiles ran within 1% either way.
+    A verify (T = 4 draft tokens, each token's state stored) walks T dependent steps a program, each ending in a
+    state store: narrower tiles, more programs in flight, hide that chain. H100 sweep (benchmarks/results/h100/
+    decode-tiles.md, verify), against the 128 x 64 / 4 warps decode tile: [V, K] states at 16 x 128, 1 warp,
+    were fastest for bf16 and fp32 at every point (bf16 16/32 B=256 589 -> 494 us, 16/64 B=64 256 -> 244, 2/8
+    B=256 126 -> 121; fp32 16/32 B=256 1014 -> 948); [K, V] bf16 states at 128 x 32, 2 warps (667 -> 585 at
+    16/32 B=256: a 16-column row is 32 bytes, too short a store); [K, V] fp32 kept the decode tile.
     """
     BK = next_power_of_2(K)
+    if per_token_states and (v_first or state_bytes == 2):
+        BV = 16 if v_first else 32
+        while BV > 8 and n_heads_total * cdiv(V, BV) < 512:
+            BV //= 2
+        return BV, 1 if v_first else 2
     BV = max(8, min(next_power_of_2(V), 8192 // BK))
     while BV > 8 and n_heads_total * cdiv(V, BV) < 512:
         BV //= 2
