@@ -319,3 +319,30 @@ def test_gated_segment_states_match_the_scan(counts, reverse, has_h0, flagged, s
                 elif i + 1 < len(order):
                     S = lead_in_states[order[i + 1], h]
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+class _PoisonedTorch:
+    """torch, with every `empty` filled with -7: a flag a kernel leaves unwritten shows."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, **kwargs):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+        return torch.full(tuple(shape), -7, **kwargs)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_needed_transitions_write_every_flag(reverse, monkeypatch):
+    """The flags are allocated empty, not zeroed (one launch fewer a backward): the search kernel writes every
+    entry once, the first (last, with reverse) segment of each sequence its own 0. Poisoned allocations give
+    the same flags as clean ones, over sequences of one and of several segments."""
+    from gdnkit.backends.tilelang_sm90 import lead_in_bound
+    t, g, k, beta = _segmented_draw([200, 40, 300, 129], 1, (2, 4), 8, 0.3, 1.0, 3)
+    clean = [lead_in.transitions_needed(t, g, k, beta, w, reverse) for w in range(4)]
+    monkeypatch.setattr(lead_in_bound, "torch", _PoisonedTorch())
+    poisoned = [lead_in.transitions_needed(t, g, k, beta, w, reverse) for w in range(4)]
+    for w, (a, b) in enumerate(zip(clean, poisoned)):
+        assert (b >= 0).all() and torch.equal(a, b), f"window {w}: {b.tolist()} against {a.tolist()}"
+    assert any(bool(a.any()) for a in clean)   # some flags are set: the comparison is not all zeros

@@ -122,6 +122,10 @@ def _needs_kernel(sums, base, before, after, need, walk, window, stride, HV: tl.
     src = j + 1 if REVERSE else j - 1       # in j's sequence wherever avail > 0
     has_src = (hv * 0 + avail) > 0          # as a [HVP] mask: a scalar one is not a mask the interpreter takes
     tl.store(need + src * HV + hv, tl.where(unsettled, 1, 0).to(tl.int32), mask=mh & has_src)
+    # need[j] itself is written above by the segment on j's other side in its sequence, where there is one; where
+    # there is none (j ends its sequence in that direction) it is 0, written here: every entry once, no zero fill
+    other_side = tl.load(before + j) if REVERSE else tl.load(after + j)
+    tl.store(need + j * HV + hv, tl.zeros([HVP], dtype=tl.int32), mask=mh & ((hv * 0 + other_side) == 0))
 
 
 @triton.jit
@@ -184,7 +188,7 @@ def transitions_needed(starts: torch.Tensor, ends: torch.Tensor, seq_ends: torch
     (the per-token sums in float64 here, per row in fp32 there: a head at the bound's edge may get one chunk more
     or less, either within the bound)."""
     n_seg, HV = starts.shape[0], g.shape[2]
-    need = torch.zeros(n_seg, HV, dtype=torch.int32, device=g.device)
+    need = torch.empty(n_seg, HV, dtype=torch.int32, device=g.device)   # every entry written by _needs_kernel
     if n_seg:
         by_rows = row_sums is not None
         sums = row_sums if by_rows else _chunk_sums(starts, ends, seq_ends, before, g, k, beta, window, reverse)
