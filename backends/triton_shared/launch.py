@@ -1,5 +1,6 @@
-"""Launch settings (num_warps, num_stages) of the chunked Triton kernels (triton_generic's and triton_shared's), in
-one table (the token-by-token kernel, recurrence.py, sizes its own launches by its state tile: launch_config).
+"""How gdnkit launches Triton kernels: enqueue, the path every launch takes (below), and the launch settings
+(num_warps, num_stages) of the chunked Triton kernels (triton_generic's and triton_shared's) in one table (the
+token-by-token kernel, recurrence.py, sizes its own launches by its state tile: launch_config).
 
 Fixed per kernel, not autotuned at call time: autotuning costs the first call seconds per shape, may pick
 differently from one process to the next (results not bitwise repeatable across runs) and cannot run while
@@ -94,9 +95,10 @@ def _build_key(kernel_name: str, dtype: torch.dtype, kwargs: dict) -> tuple:
     return kernel_name, dtype, device, os.environ.get("GDNKIT_TRITON_LAUNCH", ""), build
 
 
-# Eager launches through Triton's JITFunction.run cost ~50-100 us of host time each on the H100's host (cProfile
-# of a training step, benchmarks/results/h100/host-time.md): per call it re-reads environment knobs, runs the
-# pre-run hooks, rebuilds the cache key's string and checks the kernel's globals, before the launch itself.
+# An eager launch through Triton's JITFunction.run re-reads environment knobs, runs the pre-run hooks, rebuilds
+# the cache key's string, checks the kernel's globals and calls the (empty) launch hook chain, each call. Skipping
+# that saved ~20-30 us a launch on the H100's host: an sm90 training step 1.712 -> 1.508 ms with its 7 Triton
+# launches (benchmarks/results/h100/host-time.md, GDNKIT_TRITON_BOUND=0 against the default in one process).
 # enqueue() keeps Triton's own argument binder (its specialisation on dtypes, 16-byte alignment and integer
 # values is the build's identity, so a bound build is only ever reused where Triton would reuse it) and calls the
 # compiled kernel's launcher directly. The first call of each specialisation, and every call while a launch hook
