@@ -204,7 +204,7 @@ def _assert_offsets_agree(cu_seqlens: torch.Tensor, own: torch.Tensor) -> None:
     """The device-side check of cached offsets (module doc): one Triton launch where Triton takes the tensor, else
     torch's three (on a host tensor torch._assert_async is a plain assert)."""
     from gdnkit.prologue import triton_reads   # (prologue imports problem, which imports this module)
-    if cu_seqlens.is_cuda and cu_seqlens.dim() == 1 and triton_reads(cu_seqlens):
+    if cu_seqlens.is_cuda and triton_reads(cu_seqlens):   # (1-D: problem.check_cu_seqlens)
         from gdnkit.backends.triton_shared.offsets_check import assert_offsets_agree
         assert_offsets_agree(cu_seqlens, own)
     else:

@@ -91,11 +91,7 @@ def test_bound_launches_follow_tritons_own_specialisation(monkeypatch):
         assert len(builds) == 1 + len(others) + 1 and first.launches[1:] == []
 
 
-@triton.jit
-def _affine_kernel_gpu(x, y, n, alpha, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(y + offs, tl.load(x + offs, mask=mask) * alpha + 1.0, mask=mask)
+_affine_kernel_gpu = triton.jit(_affine)   # the same kernel, launched on a GPU by the tests below
 
 
 def _call(x, y, alpha=2.0, block=128, **options):

@@ -248,14 +248,12 @@ def launch_config(K: int, V: int, n_heads_total: int, state_bytes: int = 4, v_fi
     16/32 B=256: a 16-column row is 32 bytes, too short a store); [K, V] fp32 kept the decode tile.
     """
     BK = next_power_of_2(K)
-    if per_token_states and (v_first or state_bytes == 2):
-        BV = 16 if v_first else 32
-        while BV > 8 and n_heads_total * cdiv(V, BV) < 512:
-            BV //= 2
-        return BV, 1 if v_first else 2
-    BV = max(8, min(next_power_of_2(V), 8192 // BK))
+    verify_tile = per_token_states and (v_first or state_bytes == 2)
+    BV = (16 if v_first else 32) if verify_tile else max(8, min(next_power_of_2(V), 8192 // BK))
     while BV > 8 and n_heads_total * cdiv(V, BV) < 512:
         BV //= 2
+    if verify_tile:
+        return BV, 1 if v_first else 2
     num_warps = 4 if BK * BV >= 8192 else (2 if BK * BV >= 4096 else 1)
     if state_bytes == 2 and not v_first and num_warps == 4:
         num_warps = 2
