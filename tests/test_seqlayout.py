@@ -196,7 +196,7 @@ _MISMATCH = """
 import sys, torch
 from gdnkit.backends.triton_shared.offsets_check import assert_offsets_agree
 n, at = int(sys.argv[1]), int(sys.argv[2])
-own = torch.arange(n, device="cuda", dtype=torch.int32) * 3
+own = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randint(0, 200, (n - 1,)).cumsum(0)]).int().cuda()
 cu = own.long()
 cu[at] += 1
 assert_offsets_agree(cu, own)
@@ -214,7 +214,8 @@ def test_offsets_check_in_one_launch(n):
     import subprocess
     import sys
     from gdnkit.backends.triton_shared.offsets_check import assert_offsets_agree
-    own = torch.arange(n, device="cuda", dtype=torch.int32) * 3
+    # random offsets, as a packed batch's: 0, then lengths of 0-199 tokens summed
+    own = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randint(0, 200, (n - 1,)).cumsum(0)]).int().cuda()
     for cu in (own.clone(), own.long()):
         assert_offsets_agree(cu, own)
     torch.cuda.synchronize()
