@@ -3,7 +3,7 @@ heads, the SM count and the Config (config.py), never from the data.
 
 The Plan holds every host decision of the forward and the backward (docs/sm90-design.md, "Routes"):
 - the route: plain (no segments), wide (the chained route at 128 columns in one wave of segments, the plain pass
-  launched beside it and the device picking), waves (the same in several waves, inference only), chained, gated or
+  launched beside it and the device picking), waves (the same in several waves), chained, gated or
   exact (segments at 32 / 64 columns, each segment's entering state by walks, by a fixed lead-in checked on the
   device with the exact kernels behind it, or by the exact kernels alone);
 - the segments (chunks per segment, their count) and the gated lead-in's window;
@@ -116,7 +116,7 @@ def plan(problem: Problem, layout: SequenceLayout, resources: Resources, config:
 def _plan(layout: SequenceLayout, HV: int, train: bool, res: Resources, cfg: Config) -> Plan:
     sms, N = res.sms, len(layout.lengths)
     stores_states = train and cfg.keep_states
-    seg, waves = _segments(layout, HV, train, res, cfg)
+    seg, waves = _segments(layout, HV, res, cfg)
     route = "plain"
     if seg:
         if waves or not exact_route_pays(layout, HV, sms, cfg):
@@ -132,7 +132,9 @@ def _plan(layout: SequenceLayout, HV: int, train: bool, res: Resources, cfg: Con
     plain_block_v = None
     launches = (n_seg,)
     if waves:
-        plain_block_v = state_block_v(N, HV, sms, cfg, wide=True) if waves > 1 else block_v_split(N, HV, sms, cfg)
+        # beside several waves the 128-column kernel, unless the pass must store S0 (keep_states), which it cannot
+        plain_block_v = state_block_v(N, HV, sms, cfg, wide=not stores_states) if waves > 1 \
+            else block_v_split(N, HV, sms, cfg)
         launches = (n_seg, N)
     fields = dict(config=cfg, sms=sms, HV=HV, N=N, train=train, route=route, segment_chunks=seg, n_segments=n_seg,
                   waves=waves, window=0 if seg is None else window(seg, cfg),
@@ -148,7 +150,7 @@ def _backward(layout: SequenceLayout, HV: int, res: Resources, cfg: Config, rout
     """The training plan's backward fields. Its segments are the training forward's (the wide route in one wave,
     else the segment rule), run right to left by the same route."""
     sms = res.sms
-    backward_route = {"wide": "chained"}.get(route, route)
+    backward_route = {"wide": "chained", "waves": "chained"}.get(route, route)
     n_reverse = n_seg
     beside = not stores_states and sms > 0 and cfg.block_v is None and 2 * HV * (sum(launches) + n_reverse) <= sms
     recompute_x = []
@@ -157,25 +159,26 @@ def _backward(layout: SequenceLayout, HV: int, res: Resources, cfg: Config, rout
         bv = bv if bv in NARROW_BLOCK_V else NARROW_BLOCK_V[-1]
         recompute_x.append((bv, recompute_per_sm(bv, True, cfg)))
     return dict(fused_backward=fused_pays(layout, HV, sms, cfg, stores_states, res),
-                fused_segment_chunks=seg if route == "wide" else None, backward_route=backward_route,
+                fused_segment_chunks=seg if route in ("wide", "waves") else None, backward_route=backward_route,
                 reverse_block_v=state_block_v(n_reverse, HV, sms, cfg, wide=True), recompute_beside=beside,
                 ds_only_block_v=state_block_v(n_seg, HV, sms, cfg, wide=True) if route != "plain" else None,
                 recompute_block_v=tuple(block_v_split(n, HV, sms, cfg) for n in launches),
                 recompute_x=tuple(recompute_x))
 
 
-def _segments(layout: SequenceLayout, HV: int, train: bool, res: Resources, cfg: Config) -> tuple[int | None, int]:
+def _segments(layout: SequenceLayout, HV: int, res: Resources, cfg: Config) -> tuple[int | None, int]:
     """(chunks per segment or None, the waves of the wide route's programs, 0 where they do not take it): the
-    wide route where it applies, in one wave (wide_segment_chunks), else in several for inference only
-    (wide_waves_segment_chunks: the backward's reverse pass has not been timed that way); everything else
-    segment_chunks' segments. Training takes the one-wave wide route too (docs/performance.md: its forward is
-    inference's, 15-45% faster than the 64-column pass it ran before at the quick points; the backward's
-    recompute replays the same segments at 32 / 64 columns)."""
+    wide route where it applies, in one wave (wide_segment_chunks), else in several (wide_waves_segment_chunks);
+    everything else segment_chunks' segments. Training takes the wide routes as inference does (docs/performance.md:
+    its forward is inference's, 15-45% faster than the 64-column pass it ran before at the quick points; the
+    backward's recompute replays the same segments at 32 / 64 columns, and the fused backward runs one program per
+    segment and head, so that in waves packed documents of unequal lengths walk ~2 x 48 chunks where their longest
+    sequence walked 128)."""
     if wide_route_available(cfg, res):
         seg = wide_segment_chunks(layout, HV, res.sms, cfg)
         if seg:
             return seg, 1
-        cut = None if train else wide_waves_segment_chunks(layout, HV, res.sms, cfg)
+        cut = wide_waves_segment_chunks(layout, HV, res.sms, cfg)
         if cut:
             return cut
     return (segment_chunks(layout, HV, res.sms, cfg) if res.triton else None), 0
@@ -234,9 +237,8 @@ def fused_pays(layout: SequenceLayout, HV: int, sms: int, cfg: Config, stores_st
     if work < cfg.fused_min_work or sms == 0:
         return False
     longest = max(layout.chunk_counts)
-    res = res or Resources(sms)
-    seg = wide_segment_chunks(layout, HV, sms, cfg) if wide_route_available(cfg, res) else None
-    if seg:   # the fused path's programs are the wide route's segments
+    seg, waves = _segments(layout, HV, res or Resources(sms), cfg)
+    if waves:   # the fused path's programs are the wide routes' segments
         longest = min(longest, seg)
     return longest <= cfg.fused_max_imbalance * work / sms
 

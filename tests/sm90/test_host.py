@@ -377,7 +377,8 @@ def _assert_in_family(calls: list, H: int, HV: int, dtype: str, training: bool) 
                                   "fused-dense", "fused-varlen-gva-options", "fused-segments",
                                   "fused-segments-weak-gates", "fused-segments-mixed-gates",
                                   "segments-wide-mixed-gates", "fused-segments-wide-mixed-gates",
-                                  "fused-segments-wide-plain-mixed-gates"])
+                                  "fused-segments-wide-plain-mixed-gates", "segments-waves-mixed-gates",
+                                  "fused-segments-waves-mixed-gates", "fused-segments-waves-plain-mixed-gates"])
 def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config, poisoned_empty):
     """The sm90 training path around its four launches, on a CPU: the forward keeps T (every chunk's state only
     with keep_states; the backward recomputes them), the backward hands them with dS_end, dU and dX from the
@@ -389,7 +390,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     fused-*: the same through the fused kernel (GDNKIT_SM90_FUSED_BACKWARD), its segments the wide route's, each
     from its dS_end by the gated route; dq / dk per chunk and value head summed here. *-wide-*: the forward takes
     the wide route too (its pass over segments picked, or with -plain- the pass over sequences), and the recompute
-    replays both launches at 64 columns, the wide one walking as the forward did. The kernels are float64
+    replays both launches at 64 columns, the wide one walking as the forward did; *-waves-*: the same in several
+    waves (the pass over sequences at 128 columns). The kernels are float64
     stand-ins of their contracts; every gradient is checked against autograd through the float64 reference."""
     from gdnkit.backends.tilelang_sm90 import config
     pytest.importorskip("triton")
@@ -400,14 +402,18 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     fused = case.startswith("fused-")
     sm90_config(fused_backward=fused)
     case = case.removeprefix("fused-")
-    wide = "-wide-" in case
+    waves = "-waves-" in case
+    wide = "-wide-" in case or waves
     picked = "plain" if "-plain-" in case else "wide"
-    case = case.replace("-wide", "").replace("-plain", "")
+    case = case.replace("-wide", "").replace("-waves", "").replace("-plain", "")
     segments = case.startswith("segments")
     sm90_config(block_v=None if wide else 64)
     if wide:   # the wide route in the forward and the backward (2-chunk segments), the device's pick forced
-        sm90_config(wide_segment_chunks=2)
-        sm90_config(wide_step_ratio=0.0 if picked == "wide" else 1e9)
+        if waves:   # in three waves of the SMs (plan.wide_waves_segment_chunks), training as inference
+            sm90_config(wide_segment_chunks=0, wide_waves_segment_chunks=(2, 3))
+        else:
+            sm90_config(wide_segment_chunks=2)
+        sm90_config(**{"waves_step_ratio" if waves else "wide_step_ratio": 0.0 if picked == "wide" else 1e9})
     sm90_config(segment_chunks=2 if segments else 0)
     sm90_config(lead_in_route=case != "segments-exact")
     chained = case.startswith("segments-chained")

@@ -683,6 +683,83 @@ def test_training_with_context_parallelism(route, gate_scale, monkeypatch, sm90_
     assert (128 in tiles) == (route == "wide"), tiles   # the wide route's reverse pass runs all 128 columns
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused,mixed", [(True, False), (True, True), (False, False)],
+                         ids=["fused", "fused-mixed-gates", "staged"])
+def test_training_in_waves(fused, mixed, monkeypatch, sm90_config):
+    """Packed training documents at 8/32, 8192 + 8192 + 4096 tokens (96 (sequence, head) pairs: the longest
+    sequence bounds one program per pair), planned in the wide route's waves (plan.wide_waves_segment_chunks,
+    48-chunk segments in two waves of 132 SMs): the forward launches the pass over segments and the one over
+    sequences and the device picks (the segments where the gates decay; the sequences where half the heads barely
+    decay, mixed), and the backward runs in the segments either way, each from its dS_end (fused: the fused kernel,
+    one program per segment and head; staged: the reverse pass walking the chained route). Every gradient
+    against the float64 chunked backward of each document, the forward's output too, and the call twice bitwise."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    pytest.importorskip("triton")
+    from gdnkit import seqlayout
+    from gdnkit.backends.reference.chunked import chunked_gdn
+    from gdnkit.backends.reference.chunked_backward import chunked_gdn_backward
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    H, HV, lengths, dev = 8, 32, (8192, 8192, 4096), "cuda"
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    planned = fwd.plan_of(types.SimpleNamespace(HV=HV, needs_grad=True), seqlayout.sequence_layout(cu),
+                          torch.device(dev))
+    if planned.route != "waves":
+        pytest.skip(f"this GPU's SM count plans {planned.route} here (132 SMs plan waves)")
+    assert planned.fused_backward and planned.fused_segment_chunks == planned.segment_chunks
+    sm90_config(fused_backward=fused)
+    fused_launches = []
+    real_fused = bwd.backward_fused_kernel
+    monkeypatch.setattr(bwd, "backward_fused_kernel", lambda *a: fused_launches.append(a) or real_fused(*a))
+    picks = []   # the device's pick per training forward (the backend imports forward at each call)
+    real_forward = fwd.forward
+
+    def forward_recording_pick(problem, inputs, intermediates=None):
+        got = {} if intermediates is None else intermediates
+        out = real_forward(problem, inputs, intermediates=got)
+        picks.append(bool(got["wide_choice"]))
+        return out
+    monkeypatch.setattr(fwd, "forward", forward_recording_pick)
+    T, N = int(cu[-1]), len(lengths)
+    gen = torch.Generator(device=dev).manual_seed(31)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    rates = torch.tensor((1.0, 1e-3), device=dev).repeat(HV // 2) if mixed else 1.0
+    x = dict(q=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16),
+             k=F.normalize(r(1, T, H, K), dim=-1).to(torch.bfloat16), v=r(1, T, HV, V).to(torch.bfloat16),
+             g=F.logsigmoid(r(1, T, HV)) * rates, beta=torch.sigmoid(r(1, T, HV)))
+    do = r(1, T, HV, V).to(torch.bfloat16)
+    runs, outs = [], []
+    for _ in range(2):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+        o, _ = gdnkit.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, backend="tilelang_sm90")
+        outs.append(o.detach())
+        runs.append(dict(zip(leaves, torch.autograd.grad(o, list(leaves.values()), do))))
+    assert bool(fused_launches) == fused
+    # the device's pick in the last call (a first call's dry run may pick too, on unwritten buffers): the segments
+    # unless half the heads barely decay (their walks would reach back to their sequences' starts)
+    assert picks and picks[-1] == (not mixed), picks
+    rep = lambda t: t.double().repeat_interleave(HV // H, dim=2)  # noqa: E731
+    want = {n: [] for n in x}
+    ref_o = []
+    with torch.no_grad():
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            args = (rep(x["q"][:, a:b]), rep(x["k"][:, a:b]), x["v"][:, a:b].double(), x["g"][:, a:b].double(),
+                    x["beta"][:, a:b].double(), K ** -0.5)
+            ref_o.append(chunked_gdn(*args)[0])
+            ref = chunked_gdn_backward(*args, do[:, a:b].double())
+            for name, t in (("q", _fold_group(ref.dq, H)), ("k", _fold_group(ref.dk, H)), ("v", ref.dv),
+                            ("g", ref.dg), ("beta", ref.dbeta)):
+                want[name].append(t)
+    want = {n: torch.cat(ts, dim=1) for n, ts in want.items()}
+    assert _rel(outs[0], torch.cat(ref_o, dim=1)) <= BF16_FWD_BAR
+    errs = {n: _rel(runs[0][n], want[n]) for n in want}
+    assert all(e <= 1e-2 for e in errs.values()), errs
+    assert torch.equal(outs[0], outs[1]) and all(torch.equal(runs[0][n], runs[1][n]) for n in want)
+
 def test_forward_copies_inputs_whose_base_tma_cannot_take():
     """A TMA descriptor needs a 16-byte aligned base: a contiguous view one element into a buffer is copied,
     an aligned tensor passes through as it is (no copy)."""

@@ -2,6 +2,8 @@
 parallelism, wide, waves), the fused backward's rule and the recompute's programs an SM with their switches, and
 the Plan that explain() shows."""
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,14 @@ def test_fused_backward_rule_and_its_switch():
     assert not pays(32, 205, 708, 4326, 2953)                               # 16/32: one long program (0.91x)
     # H100: three long documents, the longest program 1.65x the even share: the fused path 1.19x, 480 MiB less
     assert pays(32, 8192, 8192, 4096)
-    assert not pays(32, 820, 2829, 17304, 11815)                            # 16/32: 2.17x the share (0.89x)
-    assert not pays(16, 820, 2829, 3666, 710, 988, 11940, 3347, 8468)       # 8/16: 0.81x
+    # where one program per (sequence, head) fills the SMs and the longest sequence bounds it, the training plan
+    # cuts the wide route's waves, and the fused path's programs are its 48-chunk segments: these two measured
+    # 0.89x / 0.81x the staged path with whole sequences as programs (2.17x / 1.51x the share)
+    assert pays(32, 820, 2829, 17304, 11815)
+    assert pays(16, 820, 2829, 3666, 710, 988, 11940, 3347, 8468)
+    with_waves_off = Config(wide_waves_segment_chunks=(0, 0))
+    assert not pays(32, 820, 2829, 17304, 11815, cfg=with_waves_off)
+    assert not pays(16, 820, 2829, 3666, 710, 988, 11940, 3347, 8468, cfg=with_waves_off)
     for forced in (True, False):
         cfg = Config(fused_backward=forced)
         assert pays(32, 8192, cfg=cfg) == forced and pays(1, 64, cfg=cfg) == forced
@@ -194,6 +202,31 @@ def test_wide_waves_segment_rule(H, HV, lengths, expected):
     # forced segments keep the other routes
     assert plan.wide_waves_segment_chunks(layout, HV, 132, Config(segment_chunks=16)) is None
 
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["default", "keep_states"])
+def test_training_takes_the_waves(kept):
+    """A training call at packed documents where the longest sequence bounds one program per (sequence, head)
+    (8/32 and 16/32 at 8192 + 8192 + 4096 tokens on 132 SMs) plans the wide route's waves as inference does: 48-chunk
+    segments in two waves, the pass over sequences beside them at 128 columns (64 where the forward keeps S0, which
+    the 128-column kernel cannot store), and the backward in the same segments: the fused path's programs, else the
+    staged path's chained route."""
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import plan
+    from gdnkit.backends.tilelang_sm90.config import Config
+    layout = seqlayout.sequence_layout(torch.tensor([0, 8192, 16384, 20480]))
+    for train in (False, True):
+        p = plan.plan(types.SimpleNamespace(HV=32, needs_grad=train), layout, plan.Resources(132), Config(keep_states=kept))
+        assert (p.route, p.segment_chunks, p.waves, p.n_segments) == ("waves", 48, 2, 8), p.describe()
+        assert p.launches == (8, 3) and p.plain_block_v == (64 if kept and train else 128)
+        if train:
+            assert p.fused_backward != kept and p.backward_route == "chained"
+            assert p.fused_segment_chunks == 48
+            assert ("fused (backward_fused.py), in the wide route's 8 segments" in p.describe()) != kept
+    # with the waves forced off the training plan keeps whole sequences (the fused kernel's longest program 128
+    # chunks)
+    p = plan.plan(types.SimpleNamespace(HV=32, needs_grad=True), layout, plan.Resources(132), Config(wide_waves_segment_chunks=(0, 0)))
+    assert p.route == "plain" and p.fused_segment_chunks is None
 
 def test_plans_are_kept_per_layout_heads_training_machine_and_config():
     """An eager loop plans once per layout: the same inputs give the very same Plan, and any input that changes a
