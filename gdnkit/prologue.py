@@ -74,16 +74,19 @@ def _l2norm_backward(x, rstd, dy):
     return l2norm_backward_fp32(x, rstd, dy).to(x.dtype)
 
 
-def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias, qk_normed: bool = False):
+def backward(problem: Problem, stash, dq, dk, dg, dbeta, A_log, dt_bias, qk_normed: bool = False,
+             gate_floored: bool = False):
     """dq/dk/dg/dbeta: gradients w.r.t. the kernel inputs, fp32 (dq / dk may come in their output dtype where
     no l2norm backward follows: sum_qk_head_groups). Returns (dq, dk, dg, dbeta, dA_log, ddt_bias) w.r.t. the
     raw inputs, fp32 except dq / dk passed through in another dtype or made by the l2norm backward in q's and
-    k's. qk_normed: dq / dk are w.r.t. the raw q / k already (a backend ran the l2norm backward fused)."""
+    k's. qk_normed: dq / dk are w.r.t. the raw q / k already (a backend ran the l2norm backward fused);
+    gate_floored: dg is w.r.t. the gate before its floor already (a backend ran prep.floor_gate_backward fused)."""
     dA_log = ddt_bias = None
     if problem.use_qk_l2norm_in_kernel and not qk_normed:
         dq = _l2norm_backward(stash["q_raw"], stash["q_rstd"], dq)
         dk = _l2norm_backward(stash["k_raw"], stash["k_rstd"], dk)
-    dg = prep.floor_gate_backward(stash["g_unfloored"], dg)
+    if not gate_floored:
+        dg = prep.floor_gate_backward(stash["g_unfloored"], dg)
     if problem.use_gate_in_kernel:
         x = stash["g_raw"].float()
         if dt_bias is not None:

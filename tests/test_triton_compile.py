@@ -25,7 +25,7 @@ import pytest
 CAPABILITIES = (80, 90)
 # The buffers the backend allocates in fp32 whatever the inputs' dtype; every other pointer is a 16-bit input
 # or output (h, dh, dU, dW are stored in the inputs' dtype)
-FP32_ARGS = {"A_log", "dt_bias", "a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "aug", "f",
+FP32_ARGS = {"A_log", "dt_bias", "a", "gcum", "h0", "ht", "dht", "dh0", "dq", "dk", "dkp", "dgp", "dbeta", "dg", "beta", "g", "g_raw", "aug", "f",
              "s0", "lead_in_states", "rstd", "dy", "q_rstd", "k_rstd"}
 INDEX_ARGS = {"slots", "num_accepted", "parents", "ckpt", "cu_seqlens", "chunk_offsets", "chunk_indices", "seg_offsets", "need", "walk",
               # the wide route's pick (lead_in_bound._pick_kernel): int32 segment tables and cu_seqlens
@@ -87,9 +87,12 @@ KERNELS = {
     "wide_pick": ("gdnkit.backends.tilelang_sm90.lead_in_bound", "_pick_kernel", dict(HV=8, HVP=8, BS=64)),
     # and the fused backward's GVA sums (group_sum.py)
     "group_sums": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
-                   dict(H=4, G=2, C=64, K=128, L2NORM=False)),
+                   dict(H=4, G=2, C=64, K=128, L2NORM=False, FLOOR=False, GATE_FLOOR=-30.0)),
     "group_sums_l2norm": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
-                          dict(H=4, G=2, C=64, K=128, L2NORM=True)),
+                          dict(H=4, G=2, C=64, K=128, L2NORM=True, FLOOR=True, GATE_FLOOR=-30.0)),
+    # ... with the gate floor's backward on dg (what the fused path launches)
+    "group_sums_floor": ("gdnkit.backends.tilelang_sm90.group_sum", "_chunk_group_sums_kernel",
+                         dict(H=4, G=2, C=64, K=128, L2NORM=False, FLOOR=True, GATE_FLOOR=-30.0)),
     # the device-side check of a caller's cu_seqlens (triton_shared/offsets_check.py), built with its assert
     "offsets_check": ("gdnkit.backends.triton_shared.offsets_check", "_offsets_agree_kernel", dict(BLOCK=1024)),
     # the qk l2norm of both backends' prologue (dy: the summed dq / dk, fp32)

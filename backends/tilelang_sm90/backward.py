@@ -210,8 +210,9 @@ def backward(problem: Problem, saved: Saved, do: torch.Tensor, dht: torch.Tensor
     dq, dk = dq.view(B, T, H, K), dk.view(B, T, H, K)
     dg, dbeta, dv = dg.view(B, T, HV), dbeta.view(B, T, HV), dv.view(B, T, HV, V)
     normed = fused and _sums_take_l2norm(problem, s)   # the group sums ran the qk l2norm's backward
+    # the fused path's group sums ran the gate floor's backward too (_fused_grads)
     dq, dk, dg, dbeta, dA_log, ddt_bias = prologue.backward(problem, s.stash, dq, dk, dg, dbeta, s.A_log,
-                                                           s.dt_bias, qk_normed=normed)
+                                                           s.dt_bias, qk_normed=normed, gate_floored=fused)
     if dh0 is not None and problem.state_v_first:
         dh0 = dh0.transpose(-1, -2)
     return prologue.grads_in_input_dtypes(s.dtypes, dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
@@ -317,13 +318,15 @@ def _fused_grads(problem: Problem, s: Saved, do: torch.Tensor, dht: torch.Tensor
     in value head order, while that buffer holds them: the per-value-head gradients add nothing to the backward's
     peak (tensors of their own would be 2 x 128 MB at 16/32 1x32768)."""
     dqk, dv, dg, dbeta, dh0, runs = _fused_kernel_outputs(problem, s, do, dht)
+    st = s.stash
+    # the sums' launch also takes the gate floor's backward on dg (backward() tells the prologue it ran)
+    floor = (st["g_unfloored"], dg)
     if _sums_take_l2norm(problem, s):
-        st = s.stash
         dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], s.dtypes["q"], runs,
-                                  (st["q_raw"], st["q_rstd"], st["k_raw"], st["k_rstd"]))
+                                  (st["q_raw"], st["q_rstd"], st["k_raw"], st["k_rstd"]), gate_floor=floor)
     else:
         qk, _ = _grads_dtype(problem, s)
-        dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk, runs)
+        dq, dk = chunk_group_sums(dqk, s.layout, s.q.shape[2], s.q.shape[1], qk, runs, gate_floor=floor)
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -88,6 +88,42 @@ def test_group_sums_take_the_qk_l2norm_backward(lengths, H, HV, dtype, form, bf1
         assert not out[0, valid:].any()
 
 
+@pytest.mark.parametrize("form", ["triton", "torch"])
+@pytest.mark.parametrize("segments", [False, True], ids=["sequences", "segments"])
+def test_group_sums_take_the_gate_floors_backward(form, segments, monkeypatch):
+    """With gate_floor, the fused path's group sums also leave dg w.r.t. the gate before its floor, in place: dg
+    zeroed where that gate is below -30 (the -inf resets too) or NaN, every other entry's bits kept, the tokens past
+    the last sequence untouched; by the sequences' programs or by finer runs (segments); dq / dk the same bits as
+    without it. In the Triton kernel (interpreted on a CPU) and its torch form."""
+    pytest.importorskip("triton")
+    from gdnkit import seqlayout
+    from gdnkit.backends.tilelang_sm90 import group_sum
+    if form == "torch":
+        monkeypatch.setattr(group_sum, "triton_reads", lambda t: False)
+    H, HV, lengths = 2, 6, (77, 0, 130, 1)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    layout, total = seqlayout.sequence_layout(cu), int(cu[-1]) + 5
+    gen = torch.Generator().manual_seed(11)
+    dqk = torch.randn(layout.n_chunks, HV, 2, 64, K, generator=gen).to(torch.bfloat16)
+    g = torch.randn(1, total, HV, generator=gen) * 20 - 20            # about a fifth below the floor
+    g[0, 3, 1], g[0, 100, 5], g[0, 207, 0] = float("-inf"), float("nan"), -30.0   # a reset, a NaN, the floor itself
+    dg0 = torch.randn(1, total, HV, generator=gen)
+    runs = None
+    if segments:   # one chunk a run, as the wide route's segments cut them
+        starts = [b + 64 * w for b, e in zip(cu[:-1].tolist(), cu[1:].tolist()) for w in range(-(-(e - b) // 64))]
+        runs = (torch.tensor([*starts, int(cu[-1])], dtype=torch.int32),
+                torch.arange(len(starts) + 1, dtype=torch.int32), 1)
+    dg = dg0.clone()
+    got = group_sum.chunk_group_sums(dqk, layout, H, total, torch.bfloat16, runs, gate_floor=(g, dg))
+    end = int(cu[-1])
+    kept = g[0, :end] >= -30.0
+    assert 0 < int((~kept).sum()) < kept.numel() // 2 and bool(kept[207, 0]) and not bool(kept[100, 5])
+    assert torch.equal(dg[0, :end], torch.where(kept, dg0[0, :end], torch.zeros(())))
+    assert torch.equal(dg[0, end:], dg0[0, end:])
+    for a, b in zip(got, group_sum.chunk_group_sums(dqk, layout, H, total, torch.bfloat16, runs)):
+        assert torch.equal(a, b)
+
+
 def test_solve_algebra_float64():
     """T = (I + A)^-1 as the kernel forms it: Dinv from 16x16 forward substitutions, N = Dinv Aoff,
     T = (I - N)(I + N N) Dinv (exact: N is strictly block-lower with 4 blocks, so N^4 = 0)."""

@@ -448,8 +448,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     real_entering, real_sums = fwd.entering_states_and_x, bwd.chunk_group_sums
     monkeypatch.setattr(fwd, "entering_states_and_x", lambda problem, s, hs, xs: (
         s0_buffers.append(hs.data_ptr()) or real_entering(problem, s, hs, xs)))
-    monkeypatch.setattr(bwd, "chunk_group_sums", lambda dqk, *a: sums_in_s0.append(
-        dqk.data_ptr() in s0_buffers) or real_sums(dqk, *a))
+    monkeypatch.setattr(bwd, "chunk_group_sums", lambda dqk, *a, **kw: sums_in_s0.append(
+        dqk.data_ptr() in s0_buffers) or real_sums(dqk, *a, **kw))
     # the qk l2norm's backward: in the fused path's group sums, else the prologue's Triton pass (q's and k's)
     from gdnkit.backends.triton_shared import l2norm
     l2norm_passes, real_pass = [], l2norm.l2norm_backward
@@ -470,6 +470,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
         scale = torch.tensor([0.3, 1e-3]) if case.endswith("mixed-gates") else 1e-3 if case == "segments-weak-gates" \
             else 0.3
         g, beta = F.logsigmoid(g) * scale, torch.sigmoid(beta)
+    if case == "dense":   # a gate under the floor (-30): its gradient is zero (fused: in the group sums' launch)
+        g[1, 40, 0] = -40.0
     opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=r(HV) * 0.5, dt_bias=r(HV),
                 use_beta_sigmoid_in_kernel=True) if varlen else {}
     h0 = r(N, HV, K, V) * 0.1
@@ -529,6 +531,8 @@ def test_backward_host_side_with_kernel_stand_ins(case, monkeypatch, sm90_config
     assert all(e < 2e-3 for e in errs.values()), errs  # fp16 inputs, bf16 S0 / dS_end: ~3e-4 measured
     if lengths is not None:
         assert grads.dq[:, sum(lengths):].abs().max() == 0 and grads.dv[:, sum(lengths):].abs().max() == 0
+    if case == "dense":
+        assert grads.dg[1, 40, 0] == 0 and grads.dg[1, 39:42].count_nonzero() == 3 * HV - 1
     # the backward's flags: 4 segments (3 of the first sequence, one of the third; the second is empty); the gates
     # decay by ~15 a chunk, so the 1-chunk lead-in (2-chunk segments) settles; weak gates leave segments 0 and 1
     # unsettled, which need the transitions of segments 1 and 2

@@ -771,3 +771,40 @@ def test_forward_copies_inputs_whose_base_tma_cannot_take():
     assert out.data_ptr() % 16 == 0 and torch.equal(out, view)
     aligned = torch.randn(1, 4, 1, 128, dtype=torch.bfloat16)
     assert _tma_aligned(aligned) is aligned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["staged", "fused"])
+def test_training_below_the_gate_floor(fused, sm90_config):
+    """Gates at -inf (resets) and at -40 (finite, under the chunked form's floor) in a GVA varlen training call with
+    the qk l2norm on: every gradient against the token-by-token float64 recurrence's autograd (tests/oracle.py),
+    and dg exactly 0 at each gate under the floor (the fused path zeroes it in the group sums' launch, the staged
+    one in the prologue's backward)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    _tilelang()
+    import oracle  # tests/ is on sys.path
+    sm90_config(fused_backward=fused)
+    H, HV, lengths, dev = 4, 8, (300, 64, 1000), "cuda"
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    T = int(cu[-1])
+    gen = torch.Generator(device=dev).manual_seed(12)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    x = dict(q=r(1, T, H, K).to(torch.bfloat16), k=r(1, T, H, K).to(torch.bfloat16), v=r(1, T, HV, V).to(torch.bfloat16),
+             g=F.logsigmoid(r(1, T, HV) + 2), beta=torch.sigmoid(r(1, T, HV)))
+    under = [(5, 0), (64, 3), (300, 7), (301, 1), (700, 2), (1363, 5)]   # (token, value head)
+    for i, (t, h) in enumerate(under):
+        x["g"][0, t, h] = float("-inf") if i % 2 == 0 else -40.0
+    do = r(1, T, HV, V).to(torch.bfloat16)
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    o, _ = gdnkit.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend="tilelang_sm90")
+    got = dict(zip(leaves, torch.autograd.grad(o, list(leaves.values()), do)))
+    ref_leaves = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    o_ref, _, _ = oracle.run(**ref_leaves, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    want = dict(zip(ref_leaves, torch.autograd.grad(o_ref, list(ref_leaves.values()), do.double())))
+    assert all(torch.isfinite(w).all() for w in want.values()), "the oracle's gradients are finite here"
+    assert _rel(o.detach(), o_ref.detach()) <= BF16_FWD_BAR
+    errs = {n: _rel(got[n], want[n]) for n in want}
+    assert all(e <= 1e-2 for e in errs.values()), errs
+    for t, h in under:
+        assert got["g"][0, t, h] == 0, (t, h, float(got["g"][0, t, h]))
