@@ -267,9 +267,12 @@ def markdown(rows: list[dict], details: dict) -> str:
 
     out += first_call_table(details)
     out += ["## Every row", "",
-            "| pass | H | HV | seqlens | B | impl | kernel ms | eager ms | peak MiB | err vs ref | "
+            "eager ms: a synchronize after each call; host ms: the same call's host time, calls back to back (bwd: "
+            "both are the step's less the forward's). Where eager is well above host, the "
+            "call's kernels or its synchronize bound it, not its host work.", "",
+            "| pass | H | HV | seqlens | B | impl | kernel ms | eager ms | host ms | peak MiB | err vs ref | "
             "max diff vs first impl | timing | same-run anchor | date |",
-            "|" + "---|" * 14]
+            "|" + "---|" * 15]
     for r in rows:
         d = drow.get(key_str(row_key(r)), {})
         diff = d.get("diff_vs") or {}
@@ -277,7 +280,8 @@ def markdown(rows: list[dict], details: dict) -> str:
         peak = "" if r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**20:.0f}"
         err = "" if r.get("rel_err_vs_ref") is None else f"{r['rel_err_vs_ref']:.2e}"
         out.append(f"| {r['pass']} | {r['H']} | {r['HV']} | {r['seqlens']} | {'' if r['B'] is None else r['B']} | "
-                   f"{r['impl']} | {_fmt_ms(r['kernel_ms'])} | {_fmt_ms(r.get('eager_ms'))} | {peak} | {err} | "
+                   f"{r['impl']} | {_fmt_ms(r['kernel_ms'])} | {_fmt_ms(r.get('eager_ms'))} | {_fmt_ms(d.get('host_ms'))} | "
+                   f"{peak} | {err} | "
                    f"{diff_txt} | {d.get('timing', '')} | {'yes' if r.get('anchor_same_run') else 'no'} | {r['date']} |")
     out.append("")
 

@@ -279,6 +279,7 @@ class Runner:
         peak = timing.peak_memory(fns["main"][0], dev)
         out = _as_list(fns["main"][0]())  # kept for the cross-implementation comparison
         eager = timing.time_eager(fns["main"], dev, reps=cfg.reps)
+        host = timing.time_host(fns["main"], dev, reps=cfg.reps)
         kern = timing.time_kernel(fns["main"], dev, reps=cfg.reps, method=cfg.timing_method)
         kernel_ms, eager_ms = kern.median_ms, eager
         bwd_extras: dict[str, Any] = {}
@@ -296,13 +297,18 @@ class Runner:
             else:
                 raise RuntimeError(f"backward time not resolvable: fwd+bwd {kern.median_ms:.4f} ms <= "
                                    f"fwd {fwd_kern.median_ms:.4f} ms")
+            fwd_host = timing.time_host(fns["fwd_train"], dev, reps=cfg.reps)
             bwd_extras = dict(fwdbwd_ms=kern.median_ms, fwd_train_ms=fwd_kern.median_ms, fwd_timing=fwd_kern.method,
-                              fwdbwd_eager_ms=eager, fwd_train_eager_ms=fwd_eager)
-            kernel_ms, eager_ms = kern.median_ms - fwd_kern.median_ms, eager - fwd_eager
+                              fwdbwd_eager_ms=eager, fwd_train_eager_ms=fwd_eager,
+                              fwdbwd_host_ms=host, fwd_train_host_ms=fwd_host)
+            kernel_ms, eager_ms, host = kern.median_ms - fwd_kern.median_ms, eager - fwd_eager, host - fwd_host
         extras: dict[str, Any] = {"timing": kern.method, "timing_note": kern.note, "spread": round(kern.spread, 4),
                                   "resident_mem_bytes": resident,
                                   "samples": len(kern.samples_ms), "input_sets": len(sets), "run": cfg.run_id,
-                                  **bwd_extras}
+                                  # host time of the timed call, calls back to back (bwd: the step's less the
+                                  # forward's, as eager_ms): eager_ms less this is what the synchronize after
+                                  # each call and the kernels behind it add
+                                  "host_ms": host, **bwd_extras}
         if cfg.stages:
             extras["stages_ms"] = timing.stage_times(fns["main"], dev, reps=cfg.reps)
         if point.pass_ in STATE_PASSES:

@@ -90,6 +90,24 @@ def time_eager(fns: Sequence[Fn], device, reps: int = MIN_REPS, warmup: int = 2)
     return statistics.median(samples)
 
 
+def time_host(fns: Sequence[Fn], device, reps: int = MIN_REPS, warmup: int = 2) -> float:
+    """Median host time per call over calls made back to back, the GPU never waited on (ms): what a call costs the
+    CPU. Beside time_eager (a synchronize after each call) it tells a host-bound call (the two agree) from one whose
+    eager time is its kernels' or its synchronize's."""
+    if not _is_cuda(device):
+        return time_cpu(fns, reps, warmup).median_ms
+    for fn in _cycle(fns, warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for fn in _cycle(fns, reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    return statistics.median(samples)
+
+
 def _capture(fns: Sequence[Fn], calls: int) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -181,7 +181,7 @@ def test_timing_helpers_return_positive_medians():
     t = timing.time_kernel(fns, "cpu", reps=5)  # raised to the floor of 20
     assert t.method == "cpu-wall" and len(t.samples_ms) >= 20
     assert t.median_ms > 0 and all(s > 0 for s in t.samples_ms) and t.spread >= 0
-    assert timing.time_eager(fns, "cpu") > 0
+    assert timing.time_eager(fns, "cpu") > 0 and timing.time_host(fns, "cpu") > 0
     assert timing.peak_memory(fns[0], "cpu") is None
 
 
@@ -376,6 +376,8 @@ def test_tiny_grid_end_to_end(tmp_path, capsys, monkeypatch):
     extras = details["rows"][runner.key_str(runner.row_key(bwd))]
     assert extras["fwdbwd_ms"] > extras["fwd_train_ms"] and bwd["kernel_ms"] == pytest.approx(
         extras["fwdbwd_ms"] - extras["fwd_train_ms"])
+    assert extras["fwdbwd_host_ms"] > 0 and extras["host_ms"] == pytest.approx(
+        extras["fwdbwd_host_ms"] - extras["fwd_train_host_ms"])
     # the verify pass (not in the default passes) through the same command
     assert cli.main(["--grid", "tiny", "--device", "cpu", "--heads", "1x2", "--out", str(out), "--no-progress",
                      "--passes", "mtp"]) == 0
