@@ -76,24 +76,17 @@ def time_cpu(fns: Sequence[Fn], reps: int = MIN_REPS, warmup: int = 2) -> Timing
 
 def time_eager(fns: Sequence[Fn], device, reps: int = MIN_REPS, warmup: int = 2) -> float:
     """Median host wall time per call, synchronized after each call (ms)."""
-    if not _is_cuda(device):
-        return time_cpu(fns, reps, warmup).median_ms
-    for fn in _cycle(fns, warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for fn in _cycle(fns, reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return _wall_per_call(fns, device, reps, warmup, sync_each=True)
 
 
 def time_host(fns: Sequence[Fn], device, reps: int = MIN_REPS, warmup: int = 2) -> float:
     """Median host time per call over calls made back to back, the GPU never waited on (ms): what a call costs the
     CPU. Beside time_eager (a synchronize after each call) it tells a host-bound call (the two agree) from one whose
     eager time is its kernels' or its synchronize's."""
+    return _wall_per_call(fns, device, reps, warmup, sync_each=False)
+
+
+def _wall_per_call(fns: Sequence[Fn], device, reps: int, warmup: int, sync_each: bool) -> float:
     if not _is_cuda(device):
         return time_cpu(fns, reps, warmup).median_ms
     for fn in _cycle(fns, warmup):
@@ -103,6 +96,8 @@ def time_host(fns: Sequence[Fn], device, reps: int = MIN_REPS, warmup: int = 2) 
     for fn in _cycle(fns, reps):
         t0 = time.perf_counter()
         fn()
+        if sync_each:
+            torch.cuda.synchronize(device)
         samples.append((time.perf_counter() - t0) * 1e3)
     _sync(device)
     return statistics.median(samples)
