@@ -88,7 +88,7 @@ def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int, dtype: torch
     if not triton_reads(dqk):
         _sums_torch(dqk, layout, H, dq, dk, l2norm)
         if gate_floor is not None:
-            _floor_torch(g_raw, dg, layout.cu_seqlens)
+            _floor_torch(g_raw, dg, layout.cu_seqlens, HV)
     else:
         cu, offsets, longest = runs or (layout.cu_seqlens, layout.chunk_offsets, max(layout.chunk_counts))
         norm = (q_raw, q_rstd, k_raw, k_rstd) if l2norm is not None else (dq, dq, dq, dq)   # never read without
@@ -101,10 +101,11 @@ def chunk_group_sums(dqk: torch.Tensor, layout, H: int, total: int, dtype: torch
     return dq, dk
 
 
-def _floor_torch(g_raw: torch.Tensor, dg: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """The gate floor's backward in place over the sequences' tokens (chunk_group_sums' gate_floor, torch form)."""
+def _floor_torch(g_raw: torch.Tensor, dg: torch.Tensor, cu_seqlens: torch.Tensor, HV: int) -> None:
+    """The gate floor's backward in place over the sequences' tokens (chunk_group_sums' gate_floor, torch form):
+    token-major rows of HV entries, whatever shape the two tensors come in."""
     end = int(cu_seqlens[-1])
-    flat_g, flat_dg = g_raw.reshape(-1, dg.shape[-1])[:end], dg.view(-1, dg.shape[-1])[:end]
+    flat_g, flat_dg = g_raw.reshape(-1, HV)[:end], dg.view(-1, HV)[:end]
     flat_dg.copy_(prep.floor_gate_backward(flat_g, flat_dg))
 
 
