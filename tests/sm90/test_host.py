@@ -3,6 +3,7 @@ torch: which kernels a forward or backward launches for each route, their argume
 results match the plain path's."""
 import dataclasses
 import inspect
+import sys
 
 import pytest
 import torch
@@ -744,3 +745,84 @@ def test_a_first_call_under_auto_dispatch_goes_on_while_its_kernels_build(monkey
     assert kernel_build.wait_for_builds(timeout=60) and not kernel_build.building()
     o_again, _, _ = BACKEND.chunk_forward_unless_building(problem, inputs)   # built: runs here
     assert torch.equal(o_again, o)
+
+
+# torch operators that launch no kernel on a GPU (allocations, views, casts to the dtype a tensor has already)
+_NO_KERNEL_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::view", "aten::reshape",
+                  "aten::to", "aten::contiguous", "aten::resolve_conj", "aten::resolve_neg", "aten::as_strided",
+                  "aten::select", "aten::slice", "aten::t", "aten::transpose", "aten::alias", "aten::detach",
+                  "aten::lift_fresh", "aten::detach_", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::flatten"}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_training_steps_launches(fused, monkeypatch, sm90_config):
+    """What one training step launches (a forward keeping what the backward needs, then the backward) on the GPU's
+    code path, every kernel a counting no-op: TileLang kernels by factory, Triton kernels by name, torch operators
+    that launch. An eager step's host time is mostly its launches (docs/performance.md, "Host time of an eager
+    call"), so this inventory changes only on purpose. 16/32, one sequence of 8192 tokens, on a 132-SM stand-in:
+    the wide route's segments (the device picks between its pass over segments and the one over sequences, both
+    launched). A cu_seqlens tensor on the GPU adds its device check to the forward (one Triton launch, seqlayout);
+    the backward reads the forward's layout."""
+    pytest.importorskip("triton")
+    import collections
+    import importlib
+    import pkgutil
+
+    from gdnkit.backends import tilelang_sm90, triton_shared
+    from gdnkit.backends.tilelang_sm90 import BACKEND
+    from gdnkit.backends.tilelang_sm90 import backward as bwd
+    from gdnkit.backends.tilelang_sm90 import forward as fwd
+    from gdnkit.backends.triton_shared import launch
+    from gdnkit.problem import CHUNK_MODE, validate_inputs
+    from torch.profiler import ProfilerActivity, profile
+
+    sm90_config(fused_backward=fused)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # the host takes the GPU's Triton paths (triton_reads)
+    launched = collections.Counter()
+
+    def count(kernel, *args, **kwargs):
+        launched["triton " + kernel.fn.__name__ if hasattr(kernel, "fn") else "triton " + kernel.__name__] += 1
+    for pkg in (tilelang_sm90, triton_shared):   # every module holding enqueue by name
+        for module in pkgutil.iter_modules(pkg.__path__):
+            importlib.import_module(f"{pkg.__name__}.{module.name}")
+    real_enqueue = launch.enqueue
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("gdnkit") and getattr(module, "enqueue", None) is real_enqueue:
+            monkeypatch.setattr(module, "enqueue", count)
+    monkeypatch.setattr(fwd, "_sm_count_of", lambda device: 132)
+    for factory in (fwd.intra_chunk_kernel, fwd.state_output_kernel, fwd.propagator_kernel, bwd.backward_state_kernel,
+                    bwd.chunk_grads_kernel, bwd.backward_fused_kernel):
+        name = "tilelang " + factory.__name__.removesuffix("_kernel")
+        _stand_in(monkeypatch, factory, lambda *a, name=name, **k: lambda *args: launched.update([name]))
+
+    gen = torch.Generator().manual_seed(5)
+    H, HV, T = 16, 32, 8192
+    q, k = (F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen).bfloat16().requires_grad_()
+    g = F.logsigmoid(torch.randn(1, T, HV, generator=gen)).requires_grad_()
+    beta = torch.rand(1, T, HV, generator=gen).requires_grad_()
+    do = torch.randn(1, T, HV, V, generator=gen).bfloat16()
+
+    def step():
+        problem, inputs = validate_inputs(CHUNK_MODE, q, k, v, g, beta, cu_seqlens=torch.tensor([0, T]))
+        BACKEND.chunk_backward(problem, BACKEND.chunk_forward(problem, inputs)[2], do, None)
+    step()   # first call: plans and layouts cached
+    launched.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    torch_ops = collections.Counter(
+        e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in _NO_KERNEL_OPS
+        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    both = {"tilelang intra_chunk": 1, "triton _walks_kernel": 1, "triton _pick_kernel": 1,
+            "tilelang state_output": 4,   # forward: the pass over segments and the one over sequences; recompute: both
+            "triton recurrent_kernel": 1}   # the forward's causal repair (reads each chunk's last row of o)
+    if fused:
+        want = {**both, "triton _needs_kernel": 1, "tilelang backward_state": 2, "tilelang propagator": 1,
+                "triton gated_segment_states_kernel": 1,   # the gated route's dS_end per segment
+                "tilelang backward_fused": 1, "triton _chunk_group_sums_kernel": 1}   # (the gate floor's backward in it)
+        want_torch = {"aten::clamp_min": 1}   # the gate floor
+    else:
+        want = {**both, "triton _walks_kernel": 2, "tilelang backward_state": 1, "tilelang chunk_grads": 1}
+        want_torch = {"aten::clamp_min": 1, "aten::ge": 1, "aten::where": 1}   # the floor and its backward
+    assert dict(launched) == want, dict(launched)
+    assert dict(torch_ops) == want_torch, dict(torch_ops)
